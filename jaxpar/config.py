@@ -1,0 +1,173 @@
+"""Typed run configuration: frozen dataclasses, `--set key=value` overrides, stable hashing.
+
+Recipes (train/recipes.py or a user's `module:function`) return a `TrainConfig`. The model
+config is any frozen dataclass with a `build(rngs) -> nnx.Module` method; jaxpar does not know
+which model it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class ModelConfig(Protocol):
+    """What jaxpar needs from a model config (a frozen dataclass of the user's)."""
+
+    def build(self, rngs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib_text"  # see jaxpar.data.SOURCES
+    global_batch: int = 32
+    seq_len: int = 64  # lm sources only
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: decay over train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0  # 0 disables global-norm clipping
+    momentum: float = 0.0  # sgd only
+
+
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    steps: int = 200
+    microbatches: int = 1  # gradient accumulation inside the jitted step
+    seed: int = 0  # parameter init and dropout keys (dropout key = fold_in(seed, step))
+    eval_every: int = 0  # 0: no evaluation
+    eval_batches: int = 2
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = 1  # metrics.jsonl line every N steps (1 = every step, the contract's default)
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: Any
+    name: str = "run"
+    mesh: str = ""  # mesh spec or preset name; "" = all devices on `data`
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def to_dict(cfg: Any) -> dict:
+    """JSON-ready dict of a (nested) config, with the model's class recorded for reloading."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            d = to_dict(v)
+            if f.name == "model":
+                d["_class"] = f"{type(v).__module__}:{type(v).__qualname__}"
+            v = d
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def config_hash(cfg: TrainConfig, sections: tuple[str, ...] = ("model", "data", "optim")) -> str:
+    """Hash of what determines the trained values (model, optimizer, data), not the layout."""
+    d = to_dict(cfg)
+    d = {k: d[k] for k in sections}
+    d["train.seed"] = cfg.train.seed
+    blob = json.dumps(d, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _convert(text: str, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--set {key}={text}: expected a boolean (true/false)")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _convert(text, args[0], key)
+    if typ in (int, float, str):
+        try:
+            return typ(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text}: expected {typ.__name__}") from None
+    if origin is tuple:
+        return tuple(json.loads(text))
+    return json.loads(text) if typ is not Any else text
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Apply `key.sub=value` overrides, converting each value to the field's declared type."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set optim.lr=3e-4")
+        cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
+    return cfg
+
+
+def _set_path(obj: Any, parts: list[str], value: str, key: str) -> Any:
+    if not dataclasses.is_dataclass(obj):
+        raise ValueError(f"--set {key}: {'.'.join(parts)} is not a config section")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = parts[0]
+    if name not in fields:
+        raise ValueError(f"--set {key}: unknown key {name!r}; known here: {sorted(fields)}")
+    current = getattr(obj, name)
+    if len(parts) > 1:
+        return dataclasses.replace(obj, **{name: _set_path(current, parts[1:], value, key)})
+    hints = typing.get_type_hints(type(obj), vars(sys.modules[type(obj).__module__]))
+    return dataclasses.replace(obj, **{name: _convert(value, hints[name], key)})
+
+
+def resolve_recipe(name: str) -> TrainConfig:
+    """A recipe by name from `train.recipes`, or `module:function` for a user's own."""
+    if ":" in name:
+        mod_name, fn_name = name.split(":", 1)
+    else:
+        mod_name, fn_name = "train.recipes", name
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # run from the checkout: recipes live beside jaxpar/
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"recipe {name!r}: cannot import {mod_name!r} ({e}); run from the jaxpar checkout or "
+            f"give MODULE:FUNCTION on sys.path"
+        ) from None
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        known = getattr(mod, "RECIPES", None)
+        raise ValueError(
+            f"unknown recipe {name!r}" + (f"; known: {sorted(known)}" if known else "")
+        )
+    cfg = fn()
+    if not isinstance(cfg, TrainConfig):
+        raise ValueError(f"recipe {name!r} returned {type(cfg).__name__}, not a TrainConfig")
+    return cfg

@@ -1,0 +1,298 @@
+"""The sharded train and eval steps: state shardings from the rules, donation, grad accumulation.
+
+The training state is a plain pytree, so checkpoints and shardings need nothing model-specific:
+
+    {"step": int32[], "params": {...}, "opt": optax state, "rng": uint32[2]}
+
+`params` is the model's nnx.Param state as a pure dict; `opt` mirrors it (Adam moments shard
+like their parameters). The model graph is rebuilt inside the traced step with `nnx.merge`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.config import OptimConfig, TrainConfig
+from jaxpar.mesh import BATCH_AXES, batch_parallel_size
+from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding
+
+# Annotated models are built under eval_shape / jit with explicit out_shardings: the eager
+# per-variable sharding of recent Flax would need a mesh at construction and add nothing.
+flax.config.update("flax_always_shard_variable", False)
+
+BATCH_LOGICAL = {
+    "inputs": ("batch", "seq"),
+    "targets": ("batch", "seq"),
+    "image": ("batch", "height", "width", None),
+    "label": ("batch",),
+}
+
+
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int
+) -> tuple[optax.GradientTransformation, Callable]:
+    """optax chain: global-norm clipping, then adamw (or sgd) on a warmup + cosine schedule."""
+    decay = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, decay, end_value=cfg.lr * cfg.min_lr_ratio
+    )
+    if cfg.name == "adamw":
+        # Biases and norm scales (1-D) are not decayed.
+        mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+        opt = optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.name == "sgd":
+        opt = optax.sgd(schedule, momentum=cfg.momentum or None)
+    else:
+        raise ValueError(f"optim.name={cfg.name!r}: use 'adamw' or 'sgd'")
+    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    return optax.chain(*parts, opt), schedule
+
+
+@dataclass
+class Program:
+    """Everything compiled for one (config, mesh): shardings, init, train and eval steps."""
+
+    mesh: Mesh
+    graphdef: Any
+    param_template: Any  # abstract nnx.State of the model's parameters
+    state_shardings: dict
+    batch_shardings: dict
+    abstract_state: dict  # ShapeDtypeStructs carrying the target shardings
+    param_logical: dict  # pure dict: parameter path -> logical axis names
+    init: Callable[[], dict]
+    train_step: Callable[[dict, dict], tuple[dict, dict]]
+    eval_step: Callable[[dict, dict], dict]
+    schedule: Callable
+    task: str
+
+
+def _pure(state: nnx.State) -> dict:
+    return state.to_pure_dict()
+
+
+def _to_state(template: nnx.State, pure: dict) -> nnx.State:
+    state = jax.tree.map(lambda x: x, template)  # rebuild the Variables: never mutate the template
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def param_logical_axes(param_template: nnx.State) -> dict:
+    """Pure dict of parameter path -> logical names (None where the model gave none)."""
+    logical = jax.tree.map(
+        lambda v: v.get_metadata().get("out_sharding"),
+        param_template,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    return logical.to_pure_dict() if isinstance(logical, nnx.State) else logical
+
+
+def param_shardings(param_template: nnx.State, rules: Rules, mesh: Mesh) -> dict:
+    """Validated NamedSharding per parameter (pure dict), from its logical names and the rules."""
+
+    def one(path, v):
+        names = v.get_metadata().get("out_sharding")
+        return named_sharding(jax.tree_util.keystr(path), v.shape, names, rules, mesh)
+
+    out = jax.tree_util.tree_map_with_path(
+        one, param_template, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
+    return out.to_pure_dict() if isinstance(out, nnx.State) else out
+
+
+def batch_shardings(example: dict, act_rules: Rules, mesh: Mesh) -> dict:
+    out = {}
+    for k, v in example.items():
+        logical = BATCH_LOGICAL.get(k, ("batch",) + (None,) * (len(v.shape) - 1))
+        out[k] = NamedSharding(mesh, logical_to_spec(logical[: len(v.shape)], act_rules, mesh))
+    return out
+
+
+def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
+    ways = batch_parallel_size(mesh)
+    if global_batch % ways:
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by the data-parallel size {ways} "
+            f"(mesh axes {BATCH_AXES} = {[mesh.shape[a] for a in BATCH_AXES]}); set "
+            f"--set data.global_batch to a multiple of {ways} or change the mesh"
+        )
+    if microbatches < 1 or global_batch % (ways * microbatches):
+        raise ValueError(
+            f"train.microbatches={microbatches} must divide the per-replica batch "
+            f"{global_batch // ways} (global batch {global_batch} / data-parallel size {ways})"
+        )
+
+
+def _loss(task: str, model: Any, batch: dict, key: jax.Array | None) -> tuple[jax.Array, dict]:
+    if task == "lm":
+        logits_BTV = model(batch["inputs"], key).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+        return loss.mean(), {}
+    logits_BC = model(batch["image"], key).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["label"]).mean()
+    accuracy = (jnp.argmax(logits_BC, -1) == batch["label"]).mean()
+    return loss, {"accuracy": accuracy}
+
+
+def _split_microbatches(batch: dict, m: int) -> dict:
+    # Microbatch i takes every m-th row, so each device keeps an equal share of every microbatch
+    # (rows are sharded in contiguous blocks): no data moves between devices.
+    def split(x):
+        return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _accumulate(value_and_grad: Callable, params: dict, batch: dict, key, m: int):
+    """Mean loss, aux and gradients over m microbatches (a scan: one microbatch live at a time)."""
+    if m == 1:
+        (loss, aux), grads = value_and_grad(params, batch, key)
+        return loss, aux, grads
+    mbs = _split_microbatches(batch, m)
+
+    def body(carry, i):
+        mb = jax.tree.map(lambda x: x[i], mbs)
+        (loss, aux), grads = value_and_grad(params, mb, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+    (loss, aux), g0 = jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], mbs), key)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, g0))
+    total, _ = jax.lax.scan(body, zeros, jnp.arange(m))
+    return jax.tree.map(lambda x: x / m, total)
+
+
+def uses_manual_data(mesh: Mesh, microbatches: int) -> bool:
+    """Accumulate inside a shard_map manual over `data`, reducing gradients once per step.
+
+    A plain scan all-reduces every microbatch. XLA CPU aborts on a shard_map manual over `data`
+    with both fsdp and tensor automatic, so that combination keeps the plain scan.
+    """
+    both_auto = mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1
+    return microbatches > 1 and mesh.shape["data"] > 1 and not both_auto
+
+
+def build_program(
+    cfg: TrainConfig, mesh: Mesh, param_rules: Rules, act_rules: Rules, batch_spec: dict, task: str
+) -> Program:
+    """Compile-ready init, train and eval steps for `cfg` on `mesh` (nothing is allocated here)."""
+    seed = cfg.train.seed
+    abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=seed)))
+    graphdef, template, rest = nnx.split(abs_model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("the model holds non-parameter state; jaxpar trains nnx.Param state only")
+    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    p_sh = param_shardings(template, param_rules, mesh)
+    abs_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), _pure(template))
+    abs_opt = jax.eval_shape(tx.init, abs_params)
+    o_sh = optax.tree_map_params(
+        tx, lambda _, s: s, abs_opt, p_sh, transform_non_params=lambda _: replicated
+    )
+    state_sh = {"step": replicated, "params": p_sh, "opt": o_sh, "rng": replicated}
+    b_sh = batch_shardings(batch_spec, act_rules, mesh)
+    m = cfg.train.microbatches
+    check_batch(cfg.data.global_batch, m, mesh)
+
+    def init():
+        model = cfg.model.build(nnx.Rngs(params=seed))
+        params = _pure(nnx.state(model, nnx.Param))
+        rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0x5EED))
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt": tx.init(params),
+            "rng": rng,
+        }
+
+    def value_and_grad(params, batch, key):
+        def loss_fn(p):
+            return _loss(task, nnx.merge(graphdef, _to_state(template, p)), batch, key)
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    grads_fn = (
+        _manual_data_grads(value_and_grad, mesh, act_rules, m)
+        if uses_manual_data(mesh, m)
+        else None
+    )
+
+    def train_step(state, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        with activation_rules(mesh, act_rules):
+            if grads_fn is not None:
+                loss, aux, grads = grads_fn(state["params"], batch, key)
+            else:
+                loss, aux, grads = _accumulate(value_and_grad, state["params"], batch, key, m)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state["step"]),
+        }
+        new = {"step": state["step"] + 1, "params": params, "opt": opt, "rng": state["rng"]}
+        return new, {**metrics, **aux}
+
+    def eval_step(state, batch):
+        with activation_rules(mesh, act_rules):
+            model = nnx.merge(graphdef, _to_state(template, state["params"]))
+            loss, aux = _loss(task, model, batch, None)
+        return {"loss": loss, **aux}
+
+    abs_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(init),
+        state_sh,
+    )
+    return Program(
+        mesh=mesh,
+        graphdef=graphdef,
+        param_template=template,
+        state_shardings=state_sh,
+        batch_shardings=b_sh,
+        abstract_state=abs_state,
+        param_logical=param_logical_axes(template),
+        init=jax.jit(init, out_shardings=state_sh),
+        train_step=jax.jit(
+            train_step,
+            in_shardings=(state_sh, b_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        ),
+        eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
+        schedule=schedule,
+        task=task,
+    )
+
+
+def _manual_data_grads(value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m: int) -> Callable:
+    """Accumulate over microbatches on each data replica's rows, then one mean over `data`."""
+
+    def local(params, batch, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+        with activation_rules(mesh, act_rules, manual=("data",)):
+            loss, aux, grads = _accumulate(value_and_grad, params, batch, key, m)
+        return jax.lax.pmean((loss, aux, grads), "data")
+
+    data = PartitionSpec("data")
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), data, PartitionSpec()),
+        out_specs=PartitionSpec(),
+        axis_names={"data"},
+        check_vma=False,
+    )
+
+
+def param_bytes(abstract_params: dict) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))

@@ -1,0 +1,66 @@
+"""The `jaxpar` console script: inspect (shardings + collectives); further subcommands register here.
+
+Recipes resolve as in `python -m train`: a name in `train.recipes` or `module:function`, with the
+current directory on sys.path (run from the checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+
+def _layout(name: str | None, default: str):
+    import importlib
+
+    from jaxpar.mesh import MeshSpec
+    from jaxpar.rules import Preset
+
+    text = name if name is not None else default
+    try:
+        meshes = importlib.import_module("meshes")
+    except ModuleNotFoundError:
+        return Preset(MeshSpec.parse(text))
+    return meshes.resolve(text)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from jaxpar import launch
+
+    launch.configure_devices()
+    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.inspect_cmd import inspect
+
+    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
+    preset = _layout(args.mesh, cfg.mesh)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(inspect(cfg, preset, tmp, audit=not args.no_audit))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser("inspect", help="parameter shardings and the compiled step's collectives")
+    ins.add_argument("--recipe", default="gpt_tiny")
+    ins.add_argument("--mesh", default=None, help="preset name or mesh spec")
+    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
+    ins.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Run-directory writers (config, metrics, events, summary), progress display, MFU and goodput.
+
+The run-directory contract is in DESIGN.md: metrics.jsonl has one line per optimizer step
+(process 0), events.jsonl one JSON object per line written with a single append, and readers
+take the last metrics line per step (steps after a restored checkpoint appear again).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+# Peak dense bf16 FLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
+PEAK_FLOPS: dict[str, float] = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA A10G": 125e12,
+    "NVIDIA GB200": 2250e12,
+    "NVIDIA B200": 2250e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak FLOP/s of one device, or None where unknown (e.g. CPU)."""
+    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if device_kind.startswith(prefix):
+            return PEAK_FLOPS[prefix]
+    return None
+
+
+def mfu(flops_per_step: float | None, step_time_s: float, devices: int, peak: float | None):
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak (None if unknown)."""
+    if not flops_per_step or not peak or step_time_s <= 0:
+        return None
+    return flops_per_step / step_time_s / (devices * peak)
+
+
+def _json_default(x: Any):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, default=_json_default, allow_nan=True)
+
+
+def append_line(path: str, obj: dict) -> None:
+    """Append one JSON line with a single write (lines from several processes never interleave)."""
+    data = (dumps(obj) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename): readers never see a half-written file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All complete lines of a JSONL file ([] if absent); a torn last line is ignored."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def last_per_step(lines: Iterable[dict], key: str = "loss") -> dict[int, dict]:
+    """The last metrics line for each step (restarts re-log steps after the restored one)."""
+    out: dict[int, dict] = {}
+    for line in lines:
+        if key in line and "step" in line:
+            out[int(line["step"])] = line
+    return dict(sorted(out.items()))
+
+
+class RunDir:
+    """Paths and writers of one run directory, shared by the supervisor and every process."""
+
+    def __init__(self, path: str, process_index: int = 0, incarnation: int | None = None):
+        self.path = os.path.abspath(path)
+        self.process_index = process_index
+        os.makedirs(self.path, exist_ok=True)
+        self.incarnation = self.count_starts() if incarnation is None else incarnation
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def is_writer(self) -> bool:
+        return self.process_index == 0
+
+    def count_starts(self) -> int:
+        return sum(1 for e in read_jsonl(self.file("events.jsonl")) if e.get("event") == "start")
+
+    def event(self, event: str, *, all_processes: bool = False, **fields: Any) -> None:
+        """Append an event (process 0 only, unless `all_processes`)."""
+        if not (self.is_writer or all_processes):
+            return
+        line = {"event": event, "time": time.time(), "incarnation": self.incarnation, **fields}
+        if all_processes:
+            line.setdefault("process", self.process_index)
+        append_line(self.file("events.jsonl"), line)
+
+    def metrics(self, line: dict) -> None:
+        if self.is_writer:
+            append_line(self.file("metrics.jsonl"), {**line, "incarnation": self.incarnation})
+
+    def write_incarnation(self) -> None:
+        if self.is_writer:
+            with open(self.file("incarnation"), "w") as f:
+                f.write(f"{self.incarnation}\n")
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.file("events.jsonl"))
+
+
+def summarize(run: RunDir, wall_s: float, restarts: int = 0) -> dict:
+    """summary.json contents from metrics.jsonl and events.jsonl (see DESIGN.md's contract)."""
+    lines = read_jsonl(run.file("metrics.jsonl"))
+    per_step = last_per_step(lines)
+    all_steps = [line for line in lines if "loss" in line]
+    productive = sum(line.get("step_time_s", 0.0) for line in per_step.values())
+    rate_key = (
+        "tokens_per_s" if any("tokens_per_s" in v for v in per_step.values()) else "samples_per_s"
+    )
+    rates = [v[rate_key] for v in per_step.values() if v.get(rate_key)]
+    final = per_step[max(per_step)] if per_step else {}
+    return {
+        "steps": max(per_step) if per_step else 0,
+        "final_loss": final.get("loss"),
+        "wall_s": wall_s,
+        "restarts": restarts,
+        "goodput": min(1.0, productive / wall_s) if wall_s > 0 else None,
+        "lost_steps": len(all_steps) - len(per_step),
+        "mttr_s": None,
+        f"median_{rate_key}": float(np.median(rates)) if rates else None,
+    }
+
+
+class Progress:
+    """Progress on process 0: a live line on a terminal, plain periodic lines otherwise."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, stream=None):
+        self.total, self.start = total, start
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.time()
+        self.last_print = 0.0
+        self.every_s = 0.2 if self.tty else 10.0
+
+    def update(self, step: int, loss: float, rate: float | None, unit: str) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        final = step >= self.total
+        if not final and now - self.last_print < self.every_s and step != self.start + 1:
+            return
+        self.last_print = now
+        done = step - self.start
+        eta = (now - self.t0) / done * (self.total - step) if done else math.nan
+        frac = step / self.total if self.total else 1.0
+        bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
+        rate_s = f"{rate:,.0f} {unit}/s" if rate else "-"
+        text = f"[{bar}] step {step}/{self.total} loss {loss:.4f} {rate_s} eta {_fmt_s(eta)}"
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(("\n" if self.tty else "") + text + "\n")
+            self.stream.flush()
+
+
+def _fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

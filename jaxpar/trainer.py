@@ -1,0 +1,159 @@
+"""The training loop: config -> mesh -> sharded state -> steps -> run directory.
+
+    recipe -> TrainConfig -> Preset (mesh + rules) -> Program (step.py) -> init or restore ->
+    loop { batch(step) -> train step -> metrics -> maybe save -> fault/preemption checks }
+
+Used by `python -m train` and by tests that build a config in Python and call `run(config)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxpar import data as data_lib
+from jaxpar.config import TrainConfig, config_hash, to_dict
+from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.metrics import Progress, RunDir, mfu, peak_flops, summarize, write_json
+from jaxpar.rules import Preset, validate_rules
+from jaxpar.step import Program, build_program
+
+
+@dataclass
+class Session:
+    """What one incarnation of a run has built: layout, data source, compiled program, writers."""
+
+    cfg: TrainConfig
+    preset: Preset
+    mesh: jax.sharding.Mesh
+    source: data_lib.Source
+    program: Program
+    run: RunDir
+    flops_per_step: float | None
+    peak: float | None
+
+
+def make_source(cfg: TrainConfig) -> data_lib.Source:
+    vocab = getattr(cfg.model, "vocab_size", 256)
+    seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
+    return data_lib.make_source(cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed)
+
+
+def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
+    """Model FLOPs of one optimizer step by the 6*N*T formula (plus attention), where known."""
+    if source.kind == "lm" and hasattr(cfg.model, "flops_per_token"):
+        return cfg.model.flops_per_token() * cfg.data.global_batch * source.seq_len
+    if hasattr(cfg.model, "flops_per_example"):
+        return cfg.model.flops_per_example() * cfg.data.global_batch
+    return None
+
+
+def setup(
+    cfg: TrainConfig, preset: Preset, run_dir: str, incarnation: int | None = None
+) -> Session:
+    """Build the mesh, data source and compiled-on-demand program; write config.json."""
+    validate_rules(preset.params)
+    validate_rules(preset.acts)
+    mesh = make_mesh(preset.mesh)
+    source = make_source(cfg)
+    spec = data_lib.batch_spec(source, cfg.data.global_batch)
+    program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
+    run = RunDir(run_dir, jax.process_index(), incarnation)
+    if run.is_writer:
+        resolved = to_dict(cfg)
+        resolved["mesh_resolved"] = str(MeshSpec(**dict(mesh.shape)))
+        resolved["config_hash"] = config_hash(cfg)
+        write_json(run.file("config.json"), resolved)
+    kind = jax.devices()[0].device_kind
+    return Session(
+        cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind)
+    )
+
+
+def device_batch(s: Session, step: int, split: str = "train") -> dict:
+    local = data_lib.host_batch(
+        s.source, step=step, global_batch=s.cfg.data.global_batch, seed=s.cfg.data.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(), split=split,
+    )  # fmt: skip
+    return data_lib.to_device(local, s.program.batch_shardings, s.cfg.data.global_batch)
+
+
+def compile_step(s: Session):
+    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
+    t0 = time.time()
+    spec = data_lib.batch_spec(s.source, s.cfg.data.global_batch)
+    abs_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.program.batch_shardings[k])
+        for k, v in spec.items()
+    }
+    compiled = s.program.train_step.lower(s.program.abstract_state, abs_batch).compile()
+    return compiled, time.time() - t0
+
+
+def evaluate(s: Session, state: dict, step: int) -> float:
+    losses = []
+    for i in range(s.cfg.train.eval_batches):
+        batch = device_batch(s, i, split="eval")
+        losses.append(float(s.program.eval_step(state, batch)["loss"]))
+    loss = float(np.mean(losses))
+    s.run.metrics({"step": step, "eval_loss": loss, "time": time.time()})
+    return loss
+
+
+def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
+    line = {"step": step, "loss": float(m["loss"]), "step_time_s": dt}
+    b = s.cfg.data.global_batch
+    if s.source.kind == "lm":
+        line["tokens_per_s"] = b * s.source.seq_len / dt
+    else:
+        line["samples_per_s"] = b / dt
+    line["mfu"] = mfu(s.flops_per_step, dt, jax.device_count(), s.peak)
+    for k in ("lr", "grad_norm", "accuracy"):
+        if k in m:
+            line[k] = float(m[k])
+    line["time"] = time.time()
+    return line
+
+
+def run(cfg: TrainConfig, preset: Preset, run_dir: str, *, progress: bool | None = None) -> dict:
+    """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict."""
+    t_start = time.time()
+    s = setup(cfg, preset, run_dir)
+    s.run.write_incarnation()
+    s.run.event("start", nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))))
+    compiled, seconds = compile_step(s)
+    s.run.event("compiled", seconds=seconds)
+    state = s.program.init()
+    start = int(state["step"])
+    show = cfg.log.progress if progress is None else progress
+    bar = Progress(cfg.train.steps, start, enabled=show and s.run.is_writer)
+    unit = "tok" if s.source.kind == "lm" else "samples"
+    for step in range(start, cfg.train.steps):
+        batch = device_batch(s, step)
+        t0 = time.time()
+        state, m = compiled(state, batch)
+        m = jax.device_get(m)
+        line = metrics_line(s, step + 1, m, time.time() - t0)
+        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
+            s.run.metrics(line)
+        bar.update(
+            step + 1, line["loss"], line.get("tokens_per_s") or line.get("samples_per_s"), unit
+        )
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+            bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
+    s.run.event("done", step=cfg.train.steps)
+    summary = summarize(s.run, time.time() - t_start)
+    if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
+        write_json(s.run.file("summary.json"), summary)
+    return summary
+
+
+def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:
+    if steps is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    return cfg

@@ -1,0 +1,1 @@
+"""Training recipes and the entrypoint `python -m train` (run from the checkout)."""

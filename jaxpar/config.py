@@ -63,6 +63,20 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class CkptConfig:
+    every: int = 50  # save every N steps (0: never); the final step is always saved
+    keep: int = 3  # newest K committed checkpoints are kept
+    restore: str = "latest"  # latest | none | STEP
+    use_async: bool = True
+    force: bool = False  # restore even if the model/optimizer/data config differs
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    max_wall_s: float = 0.0  # > 0: save and exit cleanly after this many seconds
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: Any
     name: str = "run"
@@ -71,6 +85,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -225,13 +225,15 @@ def build_program(
         else None
     )
 
-    def train_step(state, batch):
+    def train_step(state, batch, poison):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         with activation_rules(mesh, act_rules):
             if grads_fn is not None:
                 loss, aux, grads = grads_fn(state["params"], batch, key)
             else:
                 loss, aux, grads = _accumulate(value_and_grad, state["params"], batch, key, m)
+        # `poison` is 1.0, or NaN when a fault injects a non-finite step (faults.py).
+        loss, grads = loss * poison, jax.tree.map(lambda g: g * poison, grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {
@@ -264,7 +266,7 @@ def build_program(
         init=jax.jit(init, out_shardings=state_sh),
         train_step=jax.jit(
             train_step,
-            in_shardings=(state_sh, b_sh),
+            in_shardings=(state_sh, b_sh, replicated),
             out_shardings=(state_sh, replicated),
             donate_argnums=0,
         ),

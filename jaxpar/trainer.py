@@ -16,8 +16,15 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import __version__
 from jaxpar import data as data_lib
+from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
 from jaxpar.config import TrainConfig, config_hash, to_dict
+from jaxpar.faults import Faults, NonFiniteLoss
+from jaxpar.faults import parse_all as parse_faults
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.metrics import Progress, RunDir, mfu, peak_flops, summarize, write_json
 from jaxpar.rules import Preset, validate_rules
@@ -91,7 +98,8 @@ def compile_step(s: Session):
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.program.batch_shardings[k])
         for k, v in spec.items()
     }
-    compiled = s.program.train_step.lower(s.program.abstract_state, abs_batch).compile()
+    poison = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(s.mesh, PartitionSpec()))
+    compiled = s.program.train_step.lower(s.program.abstract_state, abs_batch, poison).compile()
     return compiled, time.time() - t0
 
 
@@ -120,37 +128,135 @@ def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
     return line
 
 
-def run(cfg: TrainConfig, preset: Preset, run_dir: str, *, progress: bool | None = None) -> dict:
-    """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict."""
+def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
+    cfg = s.cfg
+    meta = {
+        "config_hash": config_hash(cfg),
+        "mesh": str(MeshSpec(**dict(s.mesh.shape))),
+        "nproc": jax.process_count(),
+        "jaxpar_version": __version__,
+        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+    }
+    return Checkpointer(
+        s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
+        use_async=cfg.ckpt.use_async, before_commit=faults.before_commit,
+    )  # fmt: skip
+
+
+def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
+    """The newest good checkpoint resharded onto this mesh, else a fresh sharded init."""
+    got = ckpt.restore(
+        s.program.abstract_state, s.mesh, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force
+    )
+    if got is None:
+        return s.program.init()
+    state, meta = got
+    s.run.event(
+        "restore", step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
+        from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
+    )  # fmt: skip
+    check_replicas(s, state, "restore")
+    return state
+
+
+def check_replicas(s: Session, state: dict, when: str) -> None:
+    bad = replica_mismatches(state["params"], s.mesh)
+    if bad:
+        s.run.event("replica_mismatch", when=when, step=int(state["step"]), params=bad[:20])
+        raise ReplicaMismatch(
+            f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
+            f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
+        )
+
+
+def _stop_requested(s: Session, ckpt: Checkpointer, step: int, t_start: float) -> str | None:
+    if ckpt.reached_preemption(step):
+        return "preempted"
+    limit = s.cfg.run.max_wall_s
+    if limit > 0:
+        over = np.int32(time.time() - t_start > limit)
+        if jax.process_count() > 1:  # every process must stop at the same step
+            over = multihost_utils.broadcast_one_to_all(over)
+        if over:
+            return "wall_time"
+    return None
+
+
+def _save(s: Session, ckpt: Checkpointer, state: dict, step: int, force: bool = False) -> None:
+    check_replicas(s, state, "save")
+    ckpt.save(step, state, force=force)
+
+
+def run(
+    cfg: TrainConfig,
+    preset: Preset,
+    run_dir: str,
+    *,
+    faults: list[str] = (),
+    progress: bool | None = None,
+) -> dict:
+    """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict.
+
+    Raises Preempted (after a coordinated save), NonFiniteLoss or ReplicaMismatch.
+    """
     t_start = time.time()
-    s = setup(cfg, preset, run_dir)
+    env_inc = os.environ.get("JAXPAR_INCARNATION")
+    s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None)
+    if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
+        multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
     s.run.event("start", nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))))
-    compiled, seconds = compile_step(s)
-    s.run.event("compiled", seconds=seconds)
-    state = s.program.init()
-    start = int(state["step"])
-    show = cfg.log.progress if progress is None else progress
-    bar = Progress(cfg.train.steps, start, enabled=show and s.run.is_writer)
-    unit = "tok" if s.source.kind == "lm" else "samples"
-    for step in range(start, cfg.train.steps):
-        batch = device_batch(s, step)
-        t0 = time.time()
-        state, m = compiled(state, batch)
-        m = jax.device_get(m)
-        line = metrics_line(s, step + 1, m, time.time() - t0)
-        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
-            s.run.metrics(line)
-        bar.update(
-            step + 1, line["loss"], line.get("tokens_per_s") or line.get("samples_per_s"), unit
-        )
-        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-            bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
+    inject = Faults(parse_faults(list(faults)), s.run, jax.process_index())
+    ckpt = _checkpointer(s, inject)
+    try:
+        state = restore_or_init(s, ckpt)
+        compiled, seconds = compile_step(s)
+        s.run.event("compiled", seconds=seconds)
+        _loop(s, ckpt, inject, compiled, state, t_start, progress)
+    finally:
+        ckpt.close()
     s.run.event("done", step=cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
         write_json(s.run.file("summary.json"), summary)
     return summary
+
+
+def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
+    cfg = s.cfg
+    start = int(state["step"])
+    show = cfg.log.progress if progress is None else progress
+    bar = Progress(cfg.train.steps, start, enabled=show and s.run.is_writer)
+    unit = "tok" if s.source.kind == "lm" else "samples"
+    replicated = NamedSharding(s.mesh, PartitionSpec())
+    for step in range(start, cfg.train.steps):
+        stop = _stop_requested(s, ckpt, step, t_start)
+        if stop:
+            _save(s, ckpt, state, step, force=True)
+            ckpt.wait()
+            s.run.event("preempted" if stop == "preempted" else "wall_time_limit", step=step)
+            if stop == "preempted":
+                raise Preempted(f"preempted at step {step}; saved")
+            return
+        inject.before_step(step)
+        state["params"] = inject.maybe_diverge(step, state["params"])
+        batch = device_batch(s, step)
+        poison = jax.device_put(np.float32(inject.poison(step)), replicated)
+        t0 = time.time()
+        state, m = compiled(state, batch, poison)
+        m = jax.device_get(m)
+        line = metrics_line(s, step + 1, m, time.time() - t0)
+        if not np.isfinite(line["loss"]):
+            s.run.event("nonfinite", step=step + 1, loss=line["loss"])
+            raise NonFiniteLoss(step + 1, line["loss"])
+        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
+            s.run.metrics(line)
+        rate = line.get("tokens_per_s") or line.get("samples_per_s")
+        bar.update(step + 1, line["loss"], rate, unit)
+        if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):
+            _save(s, ckpt, state, step + 1)
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+            bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

@@ -13,6 +13,9 @@ import sys
 import time
 
 
+EXIT_REPLICA = 45  # replicas disagree: restart from the last good checkpoint
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="gpt_tiny", help="name in train.recipes, or module:function")
@@ -43,7 +46,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = trainer.run(cfg, preset, run_dir, progress=not args.no_progress)
+    from jaxpar.checkpoint import EXIT_PREEMPTED, CheckpointMismatch, Preempted, ReplicaMismatch
+    from jaxpar.faults import EXIT_NAN, NonFiniteLoss
+
+    try:
+        summary = trainer.run(
+            cfg, preset, run_dir, faults=args.faults, progress=not args.no_progress
+        )
+    except Preempted as e:
+        print(f"jaxpar: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except NonFiniteLoss as e:
+        print(f"jaxpar: {e}", file=sys.stderr)
+        return EXIT_NAN
+    except ReplicaMismatch as e:
+        print(f"jaxpar: {e}", file=sys.stderr)
+        return EXIT_REPLICA
+    except (CheckpointMismatch, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if summary is not None and launch.process_index() == 0:
         print(f"run directory: {os.path.abspath(run_dir)}")
         print(

@@ -39,6 +39,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jaxpar import launch
+
+    launch.configure_devices()
+    from jaxpar.bench import run_suite
+    from jaxpar.config import apply_overrides, resolve_recipe
+
+    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
+    run_suite(args.suite, cfg, args.quick, args.out, lambda text: _layout(text, cfg.mesh))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -48,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
+    ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
+    ben.add_argument("suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm")
+    ben.add_argument("--recipe", default="gpt_tiny")
+    ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")
+    ben.add_argument("--quick", action="store_true", help="a small, fast version")
+    ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ben.set_defaults(func=cmd_bench)
     return p
 
 

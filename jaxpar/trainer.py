@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__
+from jaxpar import __version__, launch
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
 from jaxpar.config import TrainConfig, config_hash, to_dict
@@ -61,12 +61,16 @@ def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
 
 
 def setup(
-    cfg: TrainConfig, preset: Preset, run_dir: str, incarnation: int | None = None
+    cfg: TrainConfig,
+    preset: Preset,
+    run_dir: str,
+    incarnation: int | None = None,
+    devices: list | None = None,
 ) -> Session:
-    """Build the mesh, data source and compiled-on-demand program; write config.json."""
+    """Build the mesh (over `devices`, default all), data source and program; write config.json."""
     validate_rules(preset.params)
     validate_rules(preset.acts)
-    mesh = make_mesh(preset.mesh)
+    mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
@@ -244,6 +248,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
         poison = jax.device_put(np.float32(inject.poison(step)), replicated)
         t0 = time.time()
         state, m = compiled(state, batch, poison)
+        launch.heartbeat(s.run.path, step + 1)
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0)
         if not np.isfinite(line["loss"]):

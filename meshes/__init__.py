@@ -17,25 +17,21 @@ PRESETS: dict[str, Preset] = {
     "cpu1": Preset(P("data=1"), description="one device"),
     # 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8).
     "dp8": Preset(P("data=8"), description="pure data parallel"),
-    "fsdp8": Preset(
-        P("data=1,fsdp=8"), description="ZeRO-3: parameters and optimizer state sharded 8 ways"
-    ),
-    "dp2_tp4": Preset(P("data=2,tensor=4"), description="2 replicas x Megatron tensor parallel 4"),
-    "dp4_tp2": Preset(P("data=4,tensor=2"), description="4 replicas x Megatron tensor parallel 2"),
+    "fsdp8": Preset(P("data=1,fsdp=8"), description="ZeRO-3: params + optimizer state 8 ways"),
+    "dp2_tp4": Preset(P("data=2,tensor=4"), description="2 replicas x Megatron TP 4"),
+    "dp4_tp2": Preset(P("data=4,tensor=2"), description="4 replicas x Megatron TP 2"),
     "dp2_fsdp2_tp2": Preset(P("data=2,fsdp=2,tensor=2"), description="DP x FSDP x TP"),
     "fsdp4_tp2": Preset(P("data=1,fsdp=4,tensor=2"), description="FSDP x TP"),
-    # GPU and TPU layouts (data: device counts as sold; multi-host ones span processes on `data`).
+    # GPU and TPU layouts; multi-host ones put the processes on the batch axes (DCN).
     "h200x1": Preset(P("data=1"), description="one H200"),
     "h100x8": Preset(P("data=1,fsdp=8"), description="one 8xH100 node: FSDP over NVLink"),
-    "h100x8_tp": Preset(P("data=1,fsdp=2,tensor=4"), description="8xH100: FSDP 2 x TP 4 in NVLink"),
+    "h100x8_tp": Preset(P("data=1,fsdp=2,tensor=4"), description="8xH100: FSDP 2 x TP 4"),
     "h100x16": Preset(
-        P("data=2,fsdp=8"), description="two 8xH100 nodes: DP over the network", num_processes=2
+        P("data=2,fsdp=8"), description="two 8xH100 nodes: DP across nodes", num_processes=2
     ),
     "v5e-8": Preset(P("data=1,fsdp=8"), description="TPU v5e-8 slice: FSDP over ICI"),
     "v5p-32": Preset(
-        P("data=4,fsdp=4"),
-        description="TPU v5p-32 (4 hosts): DP across hosts, FSDP in-host",
-        num_processes=4,
+        P("data=4,fsdp=4"), description="TPU v5p-32, 4 hosts: DP across, FSDP in", num_processes=4
     ),
     "v6e-16": Preset(
         P("data=2,fsdp=2,tensor=4"), description="TPU v6e-16 (4 hosts)", num_processes=4

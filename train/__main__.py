@@ -45,27 +45,36 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = (
+        args.run_dir
+        or os.environ.get(launch.ENV_RUN_DIR)
+        or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
     from jaxpar.checkpoint import EXIT_PREEMPTED, CheckpointMismatch, Preempted, ReplicaMismatch
     from jaxpar.faults import EXIT_NAN, NonFiniteLoss
 
-    try:
-        summary = trainer.run(
-            cfg, preset, run_dir, faults=args.faults, progress=not args.no_progress
-        )
-    except Preempted as e:
-        print(f"jaxpar: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except NonFiniteLoss as e:
-        print(f"jaxpar: {e}", file=sys.stderr)
-        return EXIT_NAN
-    except ReplicaMismatch as e:
-        print(f"jaxpar: {e}", file=sys.stderr)
-        return EXIT_REPLICA
-    except (CheckpointMismatch, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if summary is not None and launch.process_index() == 0:
+    # guard(): any other error in a multi-process job exits at once (43 for a collective error)
+    # instead of waiting in jax's shutdown barrier for a dead peer.
+    with launch.guard():
+        try:
+            summary = trainer.run(
+                cfg, preset, run_dir, faults=args.faults, progress=not args.no_progress
+            )
+        except Preempted as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return EXIT_PREEMPTED
+        except NonFiniteLoss as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return EXIT_NAN
+        except ReplicaMismatch as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return EXIT_REPLICA
+        except (CheckpointMismatch, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    import jax
+
+    if summary is not None and jax.process_index() == 0:
         print(f"run directory: {os.path.abspath(run_dir)}")
         print(
             f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "

@@ -32,6 +32,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
@@ -53,6 +55,21 @@ class Collective:
     computation: str  # HLO computation the instruction sits in
     in_loop: bool  # inside a while body (directly or through calls)
     trip_count: int | None  # executions per program run, product over enclosing loops
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per execution with ring / pairwise algorithms (n = group size):
+        all-reduce 2(n-1)/n x size; all-gather and all-to-all (n-1)/n x result; reduce-scatter
+        (n-1) x result; collective-permute the result."""
+        n = max(self.group_size, 1)
+        factor = {
+            "all-reduce": 2 * (n - 1) / n,
+            "all-gather": (n - 1) / n,
+            "all-to-all": (n - 1) / n,
+            "reduce-scatter": float(n - 1),
+            "collective-permute": 1.0,
+        }[self.kind]
+        return self.bytes * factor
 
     @property
     def executions(self) -> int:
@@ -407,10 +424,12 @@ def tally(colls: Iterable[Collective]) -> list[dict]:
     for c in colls:
         row = rows.setdefault(
             (c.kind, c.mesh_axes, c.dtype),
-            {"kind": c.kind, "mesh_axes": c.mesh_axes, "dtype": c.dtype, "count": 0, "bytes": 0},
-        )
+            {"kind": c.kind, "mesh_axes": c.mesh_axes, "dtype": c.dtype, "count": 0, "bytes": 0,
+             "wire_bytes": 0},
+        )  # fmt: skip
         row["count"] += c.executions
         row["bytes"] += c.bytes * c.executions
+        row["wire_bytes"] += round(c.wire_bytes * c.executions)
     return sorted(
         rows.values(), key=lambda r: (-r["bytes"], KINDS.index(r["kind"]), r["mesh_axes"])
     )
@@ -427,6 +446,13 @@ def total_bytes(
     )
 
 
+def total_wire_bytes(colls: Iterable[Collective], axes: tuple[str, ...] | None = None) -> int:
+    """Bytes each device sends per program run (see Collective.wire_bytes)."""
+    return round(
+        sum(c.wire_bytes * c.executions for c in colls if axes is None or c.mesh_axes == axes)
+    )
+
+
 def _human(nbytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
@@ -438,13 +464,95 @@ def _human(nbytes: int) -> str:
 def format_audit(colls: Iterable[Collective]) -> str:
     """Markdown table of ``tally(colls)`` and a total-bytes line."""
     colls = list(colls)
-    lines = ["| kind | mesh axes | dtype | count | bytes |", "|---|---|---|---:|---:|"]
+    lines = [
+        "| kind | mesh axes | dtype | count | bytes | wire bytes sent |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for r in tally(colls):
         axes = ",".join(r["mesh_axes"]) or "-"
-        lines.append(f"| {r['kind']} | {axes} | {r['dtype']} | {r['count']} | {r['bytes']:,} |")
+        lines.append(
+            f"| {r['kind']} | {axes} | {r['dtype']} | {r['count']} | {r['bytes']:,} | "
+            f"{r['wire_bytes']:,} |"
+        )
     total = total_bytes(colls)
+    wire = total_wire_bytes(colls)
     lines.append(f"\nTotal: {_human(total)} per device ({total:,} bytes).")
+    lines.append(f"Sent per device (ring/pairwise algorithms): {wire:,} bytes.")
     unknown = sum(1 for c in colls if c.in_loop and c.trip_count is None)
     if unknown:
         lines.append(f"{unknown} op(s) in loops of unknown trip count are counted once.")
     return "\n".join(lines)
+
+
+# ---- compressed gradient mean ------------------------------------------------------------------
+# Used inside a shard_map that is manual over the data axis: each replica holds its own gradient
+# and an error-feedback residual (what quantisation dropped last step, added back this step).
+
+COMPRESS = ("none", "bf16", "int8")
+INT8_BLOCK = 256  # values per int8 scale: small blocks keep one outlier from flattening the rest
+
+
+def _quantize(x_NB: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per block (last dim): q = round(x / s), s = max|x| / 127."""
+    scale = jnp.max(jnp.abs(x_NB), axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(x_NB / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def _two_phase_mean(x: jax.Array, axis: str, n: int, kind: str) -> tuple[jax.Array, jax.Array]:
+    """Compressed mean over `axis` as a reduce-scatter then an all-gather, both on the small dtype:
+    chunks go out by all-to-all and are summed in f32, the reduced shard is compressed again and
+    all-gathered. (A bf16 all-reduce is not used: XLA CPU promotes it to f32, or aborts.)
+    Returns (mean, the local compression error of phase one, for error feedback)."""
+    flat = x.reshape(-1)
+    size = flat.shape[0]
+    chunk = -(-size // (n * INT8_BLOCK)) * INT8_BLOCK  # per-replica shard, whole blocks
+    x_NCB = jnp.pad(flat, (0, n * chunk - size)).reshape(n, chunk // INT8_BLOCK, INT8_BLOCK)
+    encode, decode = _CODECS[kind]
+    q, s = encode(x_NCB)
+    error = (x_NCB - decode(q, s)).reshape(-1)[:size].reshape(x.shape)
+    # chunk j of every replica goes to replica j, which sums its shard in f32
+    q_recv = jax.lax.all_to_all(q, axis, split_axis=0, concat_axis=0, tiled=True)
+    s_recv = jax.lax.all_to_all(s, axis, split_axis=0, concat_axis=0, tiled=True)
+    shard_CB = jnp.sum(decode(q_recv, s_recv), axis=0) / n
+    q2, s2 = encode(shard_CB)
+    q_all = jax.lax.all_gather(q2, axis, tiled=False)
+    s_all = jax.lax.all_gather(s2, axis, tiled=False)
+    mean = decode(q_all, s_all).reshape(-1)[:size].reshape(x.shape)
+    return mean, error
+
+
+def _bf16_encode(x):
+    return x.astype(jnp.bfloat16), jnp.zeros(x.shape[:-1] + (1,), jnp.bfloat16)
+
+
+def _bf16_decode(q, s):
+    return q.astype(jnp.float32)
+
+
+def _int8_decode(q, s):
+    return q.astype(jnp.float32) * s
+
+
+_CODECS = {"bf16": (_bf16_encode, _bf16_decode), "int8": (_quantize, _int8_decode)}
+
+
+def compressed_mean(grads, residual, kind: str, axis: str, n: int):
+    """Mean of per-replica `grads` over `axis` with `kind` compression and error feedback.
+
+    Returns (mean grads, new residual). `kind="none"` is a plain f32 pmean (residual unchanged).
+    """
+    if kind == "none":
+        return jax.lax.pmean(grads, axis), residual
+
+    if kind not in _CODECS:
+        raise ValueError(f"comm.compress={kind!r}: use one of {COMPRESS}")
+
+    def one(g, r):
+        return _two_phase_mean(g + r, axis, n, kind)
+
+    pairs = jax.tree.map(one, grads, residual)
+    mean = jax.tree.map(lambda p: p[0], pairs, is_leaf=lambda p: isinstance(p, tuple))
+    new_res = jax.tree.map(lambda p: p[1], pairs, is_leaf=lambda p: isinstance(p, tuple))
+    return mean, new_res

@@ -77,6 +77,25 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline schedule over the `pipeline` mesh axis (used only when that axis is > 1)."""
+
+    schedule: str = "gpipe"  # gpipe | circular
+    microbatches: int = 4  # m: microbatches in flight per step
+    repeats: int = 1  # v: layer groups per stage (circular only)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Gradient communication over the data axis (see jaxpar/collectives.py, jaxpar/diloco.py)."""
+
+    compress: str = "none"  # none | bf16 | int8 (with error feedback)
+    diloco_inner_steps: int = 0  # H > 0: DiLoCo / local SGD, replicas sync every H steps
+    outer_lr: float = 0.7  # DiLoCo outer optimizer: SGD with Nesterov momentum
+    outer_momentum: float = 0.9
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: Any
     name: str = "run"
@@ -87,6 +106,8 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -22,6 +22,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import pipeline
+from jaxpar.collectives import COMPRESS, compressed_mean
 from jaxpar.config import OptimConfig, TrainConfig
 from jaxpar.mesh import BATCH_AXES, batch_parallel_size
 from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding
@@ -74,10 +76,13 @@ class Program:
     eval_step: Callable[[dict, dict], dict]
     schedule: Callable
     task: str
+    # DiLoCo / local SGD (jaxpar/diloco.py): state -> state, run after every `sync_every` steps
+    sync_step: Callable[[dict], dict] | None = None
+    sync_every: int = 0
 
 
 def _pure(state: nnx.State) -> dict:
-    return state.to_pure_dict()
+    return nnx.to_pure_dict(state)
 
 
 def _to_state(template: nnx.State, pure: dict) -> nnx.State:
@@ -93,7 +98,7 @@ def param_logical_axes(param_template: nnx.State) -> dict:
         param_template,
         is_leaf=lambda v: isinstance(v, nnx.Variable),
     )
-    return logical.to_pure_dict() if isinstance(logical, nnx.State) else logical
+    return nnx.to_pure_dict(logical) if isinstance(logical, nnx.State) else logical
 
 
 def param_shardings(param_template: nnx.State, rules: Rules, mesh: Mesh) -> dict:
@@ -106,7 +111,7 @@ def param_shardings(param_template: nnx.State, rules: Rules, mesh: Mesh) -> dict
     out = jax.tree_util.tree_map_with_path(
         one, param_template, is_leaf=lambda v: isinstance(v, nnx.Variable)
     )
-    return out.to_pure_dict() if isinstance(out, nnx.State) else out
+    return nnx.to_pure_dict(out) if isinstance(out, nnx.State) else out
 
 
 def batch_shardings(example: dict, act_rules: Rules, mesh: Mesh) -> dict:
@@ -184,6 +189,10 @@ def build_program(
     cfg: TrainConfig, mesh: Mesh, param_rules: Rules, act_rules: Rules, batch_spec: dict, task: str
 ) -> Program:
     """Compile-ready init, train and eval steps for `cfg` on `mesh` (nothing is allocated here)."""
+    if cfg.comm.diloco_inner_steps > 0:
+        from jaxpar import diloco  # noqa: PLC0415 - diloco builds on this module
+
+        return diloco.build_program(cfg, mesh, param_rules, act_rules, batch_spec, task)
     seed = cfg.train.seed
     abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=seed)))
     graphdef, template, rest = nnx.split(abs_model, nnx.Param, ...)
@@ -198,6 +207,11 @@ def build_program(
         tx, lambda _, s: s, abs_opt, p_sh, transform_non_params=lambda _: replicated
     )
     state_sh = {"step": replicated, "params": p_sh, "opt": o_sh, "rng": replicated}
+    compress = compression(cfg, mesh)
+    if compress:  # per-replica error-feedback residuals: [data, *param shape]
+        state_sh["comm"] = jax.tree.map(
+            lambda sh: NamedSharding(mesh, PartitionSpec("data", *sh.spec)), p_sh
+        )
     b_sh = batch_shardings(batch_spec, act_rules, mesh)
     m = cfg.train.microbatches
     check_batch(cfg.data.global_batch, m, mesh)
@@ -206,12 +220,12 @@ def build_program(
         model = cfg.model.build(nnx.Rngs(params=seed))
         params = _pure(nnx.state(model, nnx.Param))
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0x5EED))
-        return {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt": tx.init(params),
-            "rng": rng,
-        }
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng}
+        state["opt"] = tx.init(params)
+        if compress:
+            n = mesh.shape["data"]
+            state["comm"] = jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)
+        return state
 
     def value_and_grad(params, batch, key):
         def loss_fn(p):
@@ -224,11 +238,18 @@ def build_program(
         if uses_manual_data(mesh, m)
         else None
     )
+    if mesh.shape["pipeline"] > 1:  # loss and gradients through the pipeline schedule
+        grads_fn = pipeline.pipeline_grads(cfg, mesh, graphdef, template, act_rules, task)
+    if compress:
+        compressed_fn = _compressed_data_grads(value_and_grad, mesh, act_rules, m, compress)
 
     def train_step(state, batch, poison):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         with activation_rules(mesh, act_rules):
-            if grads_fn is not None:
+            comm = state.get("comm")
+            if compress:
+                loss, aux, grads, comm = compressed_fn(state["params"], batch, key, comm)
+            elif grads_fn is not None:
                 loss, aux, grads = grads_fn(state["params"], batch, key)
             else:
                 loss, aux, grads = _accumulate(value_and_grad, state["params"], batch, key, m)
@@ -238,10 +259,12 @@ def build_program(
         params = optax.apply_updates(state["params"], updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state["step"]),
         }
         new = {"step": state["step"] + 1, "params": params, "opt": opt, "rng": state["rng"]}
+        if compress:
+            new["comm"] = comm
         return new, {**metrics, **aux}
 
     def eval_step(state, batch):
@@ -294,6 +317,45 @@ def _manual_data_grads(value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m
         axis_names={"data"},
         check_vma=False,
     )
+
+
+def compression(cfg: TrainConfig, mesh: Mesh) -> str | None:
+    """The gradient compression in force ("bf16" / "int8"), or None (also with data=1)."""
+    kind = cfg.comm.compress
+    if kind not in COMPRESS:
+        raise ValueError(f"comm.compress={kind!r}: use one of {COMPRESS}")
+    if kind == "none" or mesh.shape["data"] == 1:
+        return None
+    if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
+        raise ValueError(
+            f"comm.compress={kind} runs in a shard_map manual over `data`, which XLA cannot "
+            f"compile with both fsdp and tensor automatic; use fsdp=1 or tensor=1"
+        )
+    if mesh.shape["pipeline"] > 1:
+        raise ValueError(f"comm.compress={kind} does not combine with pipeline parallelism yet")
+    return kind
+
+
+def _compressed_data_grads(
+    value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m: int, kind: str
+) -> Callable:
+    """Like _manual_data_grads, but the mean over `data` is compressed with error feedback."""
+    n = mesh.shape["data"]
+
+    def local(params, batch, key, residual):
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+        with activation_rules(mesh, act_rules, manual=("data",)):
+            loss, aux, grads = _accumulate(value_and_grad, params, batch, key, m)
+        residual = jax.tree.map(lambda r: r[0], residual)
+        grads, residual = compressed_mean(grads, residual, kind, "data", n)
+        loss, aux = jax.lax.pmean((loss, aux), "data")
+        return loss, aux, grads, jax.tree.map(lambda r: r[None], residual)
+
+    data, rep = PartitionSpec("data"), PartitionSpec()
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(rep, data, rep, data), out_specs=(rep, rep, rep, data),
+        axis_names={"data"}, check_vma=False,
+    )  # fmt: skip
 
 
 def param_bytes(abstract_params: dict) -> int:

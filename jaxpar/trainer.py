@@ -26,7 +26,15 @@ from jaxpar.config import TrainConfig, config_hash, to_dict
 from jaxpar.faults import Faults, NonFiniteLoss
 from jaxpar.faults import parse_all as parse_faults
 from jaxpar.mesh import MeshSpec, make_mesh
-from jaxpar.metrics import Progress, RunDir, mfu, peak_flops, summarize, write_json
+from jaxpar.metrics import (
+    Progress,
+    RunDir,
+    TensorBoardWriter,
+    mfu,
+    peak_flops,
+    summarize,
+    write_json,
+)
 from jaxpar.rules import Preset, validate_rules
 from jaxpar.step import Program, build_program
 
@@ -43,6 +51,7 @@ class Session:
     run: RunDir
     flops_per_step: float | None
     peak: float | None
+    tb: TensorBoardWriter | None = None  # log.tensorboard, process 0
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
@@ -113,21 +122,27 @@ def evaluate(s: Session, state: dict, step: int) -> float:
         batch = device_batch(s, i, split="eval")
         losses.append(float(s.program.eval_step(state, batch)["loss"]))
     loss = float(np.mean(losses))
-    s.run.metrics({"step": step, "eval_loss": loss, "time": time.time()})
+    line = {"step": step, "eval_loss": loss, "time": time.time()}
+    s.run.metrics(line)
+    if s.tb:
+        s.tb.write(line)
     return loss
 
 
 def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
-    line = {"step": step, "loss": float(m["loss"]), "step_time_s": dt}
+    # per-replica values (DiLoCo) are averaged on the host, adding no collective
+    line = {"step": step, "loss": float(np.mean(m["loss"])), "step_time_s": dt}
     b = s.cfg.data.global_batch
     if s.source.kind == "lm":
         line["tokens_per_s"] = b * s.source.seq_len / dt
     else:
         line["samples_per_s"] = b / dt
     line["mfu"] = mfu(s.flops_per_step, dt, jax.device_count(), s.peak)
+    stats = jax.local_devices()[0].memory_stats()  # None on CPU
+    line["mem_gb"] = stats["bytes_in_use"] / 1e9 if stats and "bytes_in_use" in stats else None
     for k in ("lr", "grad_norm", "accuracy"):
         if k in m:
-            line[k] = float(m[k])
+            line[k] = float(np.mean(m[k]))
     line["time"] = time.time()
     return line
 
@@ -141,10 +156,13 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
         "jaxpar_version": __version__,
         "data": {"source": cfg.data.source, "seed": cfg.data.seed},
     }
-    return Checkpointer(
+    ckpt = Checkpointer(
         s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
         use_async=cfg.ckpt.use_async, before_commit=faults.before_commit,
     )  # fmt: skip
+    faults.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
+    ckpt.warm_up(s.program.abstract_state)  # compile the checksums now, not in the first save
+    return ckpt
 
 
 def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
@@ -158,13 +176,14 @@ def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
     s.run.event(
         "restore", step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
         from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
+        skipped_corrupt=meta.get("skipped", []),
     )  # fmt: skip
     check_replicas(s, state, "restore")
     return state
 
 
 def check_replicas(s: Session, state: dict, when: str) -> None:
-    bad = replica_mismatches(state["params"], s.mesh)
+    bad = replica_mismatches(state, s.mesh)  # params and optimizer state
     if bad:
         s.run.event("replica_mismatch", when=when, step=int(state["step"]), params=bad[:20])
         raise ReplicaMismatch(
@@ -216,9 +235,12 @@ def run(
         state = restore_or_init(s, ckpt)
         compiled, seconds = compile_step(s)
         s.run.event("compiled", seconds=seconds)
+        s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         _loop(s, ckpt, inject, compiled, state, t_start, progress)
     finally:
         ckpt.close()
+        if s.tb:
+            s.tb.close()
     s.run.event("done", step=cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
@@ -238,7 +260,8 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
         if stop:
             _save(s, ckpt, state, step, force=True)
             ckpt.wait()
-            s.run.event("preempted" if stop == "preempted" else "wall_time_limit", step=step)
+            kind = "preempted" if stop == "preempted" else "wall_time_limit"
+            s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 raise Preempted(f"preempted at step {step}; saved")
             return
@@ -246,9 +269,11 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
         state["params"] = inject.maybe_diverge(step, state["params"])
         batch = device_batch(s, step)
         poison = jax.device_put(np.float32(inject.poison(step)), replicated)
+        launch.heartbeat(s.run.path, step)  # `step` steps done; arrived at the next one
         t0 = time.time()
         state, m = compiled(state, batch, poison)
-        launch.heartbeat(s.run.path, step + 1)
+        if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
+            state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0)
         if not np.isfinite(line["loss"]):
@@ -256,6 +281,8 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
             raise NonFiniteLoss(step + 1, line["loss"])
         if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
             s.run.metrics(line)
+            if s.tb:
+                s.tb.write(line)
         rate = line.get("tokens_per_s") or line.get("samples_per_s")
         bar.update(step + 1, line["loss"], rate, unit)
         if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):

@@ -163,7 +163,14 @@ def test_collective_inside_scan_is_in_loop_with_trip_count():
     assert (c.kind, c.mesh_axes, c.in_loop, c.trip_count) == ("all-reduce", ("data",), True, 5)
     assert "main" not in c.computation
     assert tally([c]) == [
-        {"kind": "all-reduce", "mesh_axes": ("data",), "dtype": "f32", "count": 5, "bytes": 5 * 64}
+        {
+            "kind": "all-reduce",
+            "mesh_axes": ("data",),
+            "dtype": "f32",
+            "count": 5,
+            "bytes": 5 * 64,
+            "wire_bytes": 5 * 64 * 2 * 7 // 8,  # ring all-reduce over 8 devices
+        }
     ]
     assert total_bytes([c]) == 5 * 64
 
@@ -335,7 +342,9 @@ def test_tally_groups_and_format_table():
         "dtype": "f32",
         "count": 4,
         "bytes": 250,
+        "wire_bytes": 250,  # 2 (n-1)/n = 1 for a group of 2
     }
+    assert rows[1]["wire_bytes"] == 9  # all-gather over 8: 10 bytes x 7/8
     assert [r["bytes"] for r in rows] == [250, 10, 7]
     table = format_audit(colls)
     assert "| all-reduce | data | f32 | 4 | 250 |" in table

@@ -1,4 +1,4 @@
-"""The `jaxpar` console script: inspect (shardings + collectives); further subcommands register here.
+"""The `jaxpar` console script: launch (supervised workers), inspect, bench, report.
 
 Recipes resolve as in `python -m train`: a name in `train.recipes` or `module:function`, with the
 current directory on sys.path (run from the checkout).
@@ -7,6 +7,7 @@ current directory on sys.path (run from the checkout).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -51,6 +52,168 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from jaxpar.report import write_report
+
+    print(write_report(args.run_dir, args.out))
+    return 0
+
+
+def _command_run_dir(cmd: list[str]) -> str | None:
+    for i, arg in enumerate(cmd):
+        if arg == "--run-dir" and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if arg.startswith("--run-dir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def launch_options(args: argparse.Namespace):
+    """Options for jaxpar.supervisor from `jaxpar launch`'s arguments (ValueError names the fix)."""
+    import time
+
+    from jaxpar.supervisor import Options
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("no worker command: jaxpar launch [options] -- python -m train ...")
+    own = _command_run_dir(cmd)
+    if args.run_dir and own and os.path.abspath(own) != os.path.abspath(args.run_dir):
+        raise ValueError(
+            f"--run-dir {args.run_dir} but the command writes to --run-dir {own}; give one of them"
+        )
+    run_dir = (
+        args.run_dir or own or os.path.join("runs", f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
+    if args.nproc < 1 or args.devices_per_proc < 1:
+        raise ValueError("--nproc and --devices-per-proc must be >= 1")
+    if args.nnodes > 1 and not args.coordinator:
+        raise ValueError("--nnodes > 1 needs --coordinator HOST:PORT (the rank-0 agent's host)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if args.min_nproc > args.nproc * args.nnodes:
+        raise ValueError(
+            f"--min-nproc {args.min_nproc} exceeds the {args.nproc * args.nnodes} processes"
+        )
+    return Options(
+        command=cmd, nproc=args.nproc, run_dir=os.path.abspath(run_dir),
+        devices_per_proc=args.devices_per_proc, nnodes=args.nnodes, node_rank=args.node_rank,
+        coordinator=args.coordinator or "127.0.0.1:0", max_restarts=args.max_restarts,
+        min_nproc=args.min_nproc, hang_timeout=args.hang_timeout,
+        startup_timeout=args.startup_timeout, collective_timeout=args.collective_timeout,
+        grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
+        crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
+    )  # fmt: skip
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxpar import supervisor
+
+    return supervisor.main(launch_options(args))
+
+
+def _add_launch_parser(sub) -> None:
+    la = sub.add_parser(
+        "launch",
+        help="run COMMAND as N supervised worker processes; restart, shrink, account",
+        usage="jaxpar launch --nproc N [options] -- COMMAND...",
+    )
+    la.add_argument("--nproc", type=int, required=True, help="worker processes on this host")
+    la.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=1,
+        help="devices per worker (simulated CPU devices without an accelerator)",
+    )
+    la.add_argument(
+        "--run-dir",
+        default=None,
+        help="shared run directory (default: the "
+        "command's --run-dir, else runs/launch-TIME); workers get JAXPAR_RUN_DIR",
+    )
+    la.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="failures restarted before giving up (preemptions are free)",
+    )
+    la.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="no step progress for S seconds = hang (default: max(60, 10 step times))",
+    )
+    la.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="spawn to first completed step (default: 600 s, then 3x the measured)",
+    )
+    la.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="workers' collective / coordination timeout (default: > hang timeout)",
+    )
+    la.add_argument(
+        "--min-nproc",
+        type=int,
+        default=1,
+        help="elastic shrink never goes below this many processes (all hosts)",
+    )
+    la.add_argument(
+        "--grace",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="SIGTERM -> SIGKILL grace when stopping survivors",
+    )
+    la.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="first backoff of repeated failures (doubles, capped)",
+    )
+    la.add_argument("--backoff-cap", type=float, default=30.0, metavar="S")
+    la.add_argument(
+        "--crash-loop",
+        type=int,
+        default=3,
+        metavar="K",
+        help="give up after the same failure at the same step K times (NaN: 2)",
+    )
+    la.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=2.0,
+        help="report a process whose step work is this many times the others'",
+    )
+    la.add_argument(
+        "--fault",
+        dest="faults",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault spec passed to the workers in JAXPAR_FAULTS (repeatable)",
+    )
+    la.add_argument("--nnodes", type=int, default=1, help="hosts, one agent each")
+    la.add_argument("--node-rank", type=int, default=0, help="this agent's host index")
+    la.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="rank-0 agent's address (control channel; HOST also serves jax)",
+    )
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
+    la.set_defaults(func=cmd_launch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--quick", action="store_true", help="a small, fast version")
     ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ben.set_defaults(func=cmd_bench)
+    rep = sub.add_parser("report", help="RUN_DIR/report/report.md: loss, step time, goodput plots")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    rep.set_defaults(func=cmd_report)
+    _add_launch_parser(sub)
     return p
 
 

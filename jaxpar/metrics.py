@@ -212,3 +212,90 @@ def _fmt_s(s: float) -> str:
         return "?"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class TensorBoardWriter:
+    """TensorBoard event files (tensorboardX) in RUN_DIR/tensorboard/, written by process 0.
+
+    Each incarnation opens its own event file; after a restart TensorBoard shows the re-run steps
+    a second time, as metrics.jsonl does. The file is flushed after every line, so a SIGKILL loses
+    at most the newest line (tensorboardX otherwise buffers up to `flush_secs`).
+    """
+
+    TAGS = {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "accuracy": "train/accuracy",
+        "step_time_s": "perf/step_time_s",
+        "tokens_per_s": "perf/tokens_per_s",
+        "samples_per_s": "perf/samples_per_s",
+        "mfu": "perf/mfu",
+        "mem_gb": "perf/mem_gb",
+        "eval_loss": "eval/loss",
+    }
+
+    def __init__(self, run: RunDir, flush_secs: int = 30):
+        self.writer = None
+        if run.is_writer:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(
+                logdir=run.file("tensorboard"),
+                flush_secs=flush_secs,
+                filename_suffix=f".inc{run.incarnation}",
+            )
+
+    def write(self, line: dict) -> None:
+        """One metrics line (train or eval) as scalars at its step; None/non-finite values skipped."""
+        if self.writer is None or "step" not in line:
+            return
+        for key, tag in self.TAGS.items():
+            value = line.get(key)
+            if isinstance(value, int | float | np.generic) and math.isfinite(value):
+                self.writer.add_scalar(tag, float(value), int(line["step"]), line.get("time"))
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def read_tensorboard(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every event file in `logdir`: tag -> [(step, value)] in file order.
+
+    Parses the TFRecord framing (length, masked CRC-32C of length and of data) and tensorboardX's
+    Event protobuf directly, so no TensorBoard install is needed. A torn last record is ignored.
+    """
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    names = sorted(n for n in os.listdir(logdir) if "tfevents" in n)
+    for name in names:
+        with open(os.path.join(logdir, name), "rb") as f:
+            blob = f.read()
+        pos = 0
+        while pos + 12 <= len(blob):
+            header = blob[pos : pos + 8]
+            (length,) = struct.unpack("<Q", header)
+            end = pos + 12 + length + 4
+            if end > len(blob):
+                break  # torn record (writer still running)
+            (crc_len,) = struct.unpack("<I", blob[pos + 8 : pos + 12])
+            data = blob[pos + 12 : pos + 12 + length]
+            (crc_data,) = struct.unpack("<I", blob[end - 4 : end])
+            if crc_len != masked(header) or crc_data != masked(data):
+                raise ValueError(f"{name}: corrupt TFRecord at byte {pos}")
+            event = Event.FromString(data)
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((int(event.step), float(v.simple_value)))
+            pos = end
+    return out

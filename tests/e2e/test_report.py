@@ -1,0 +1,190 @@
+"""`jaxpar report`: goodput accounting on synthetic run directories (fast), and a real run directory
+with a kill and a restart rendered end to end, TensorBoard events included (slow).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar import report
+from jaxpar.metrics import append_line, last_per_step, read_jsonl, read_tensorboard
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false "
+    "intra_op_parallelism_threads=1",
+}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cmd(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `args` in the checkout in its own process group; the whole group dies on timeout."""
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{args} timed out after {timeout}s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+# ---- synthetic run directories (fast) -----------------------------------------------------------
+
+
+def _ev(run, event, t, inc, **kw):
+    append_line(
+        os.path.join(run, "events.jsonl"), {"event": event, "time": t, "incarnation": inc, **kw}
+    )
+
+
+def _steps(run, inc, steps, t_first, dt=1.0, loss0=5.0):
+    for i, step in enumerate(steps):
+        line = {"step": step, "loss": loss0 - 0.1 * step, "step_time_s": dt,
+                "samples_per_s": 64 / dt, "mfu": None, "time": t_first + i * dt, "incarnation": inc}  # fmt: skip
+        append_line(os.path.join(run, "metrics.jsonl"), line)
+
+
+def _launched_run(run):
+    """2 processes; hang injected at step 6 on process 1, detected, restarted on 1 process."""
+    _ev(run, "launch", 95.0, 0, nproc=2)  # supervisor: spawn, imports, jax.distributed until 100
+    _ev(run, "group_started", 95.5, 0, nproc=2)
+    _ev(run, "start", 100.0, 0, nproc=2, mesh="data=8")
+    _ev(run, "compiled", 110.0, 0, seconds=8.0)  # start-up 100-102, compile 102-110
+    _steps(run, 0, range(1, 6), t_first=111.0)  # steps 1..5 end at 111..115
+    _ev(run, "save_end", 116.0, 0, step=4, blocking_s=0.5)
+    _ev(run, "fault_injected", 116.0, 0, kind="hang", spec="hang@6:process=1", process=1, step=6)
+    _ev(run, "failure", 130.0, 0, cause="hang", process=1, code=None)
+    _ev(run, "survivors_stopped", 131.0, 0, seconds=1.0)
+    _ev(run, "shrink", 131.0, 0, from_nproc=2, to_nproc=1)
+    _ev(run, "restart", 131.0, 0, attempt=1, nproc=1)
+    _ev(run, "group_started", 132.0, 1, nproc=1)
+    _ev(run, "start", 134.0, 1, nproc=1, mesh="data=4")
+    _ev(run, "restore", 137.0, 1, step=4, from_mesh="data=8", to_mesh="data=4")
+    _ev(run, "compiled", 146.0, 1, seconds=8.0)  # restore phase 134-138
+    _steps(run, 1, range(5, 9), t_first=148.0)  # steps 5..8 end at 148..151
+    append_line(os.path.join(run, "metrics.jsonl"),
+                {"step": 8, "eval_loss": 4.4, "time": 151.5, "incarnation": 1})  # fmt: skip
+    _ev(run, "done", 152.0, 1, step=8)
+
+
+def test_goodput_accounting_with_hang_shrink_and_restore(tmp_path):
+    run = str(tmp_path)
+    _launched_run(run)
+    a = report.analyze(run)
+    assert [i.index for i in a.incarnations] == [0, 1]
+    t = a.totals
+    assert t["startup"] == pytest.approx(5.0 + 2.0) and t["restore"] == pytest.approx(4.0)
+    assert t["compile"] == pytest.approx(16.0)
+    assert t["productive"] == pytest.approx(8.0)  # steps 1..4 (inc 0) + 5..8 (inc 1)
+    assert t["recomputed"] == pytest.approx(1.0)  # step 5 of incarnation 0
+    assert t["checkpoint"] == pytest.approx(0.5)
+    assert t["detection"] == pytest.approx(14.0)  # hang noticed at 130
+    assert t["restart"] == pytest.approx(4.0)  # 130 -> 134
+    assert a.wall_s == pytest.approx(57.0)
+    assert sum(t.values()) == pytest.approx(a.wall_s)
+    assert a.goodput == pytest.approx(8.0 / 57.0)
+    (r,) = a.restarts
+    assert r.failed_at_step == 6 and r.resumed_from == 4 and r.restored
+    assert r.shrink["to_nproc"] == 1
+    assert r.recovery_s == pytest.approx(148.0 - 116.0)  # first new line - fault_injected
+    assert a.status == "finished"
+    (led,) = a.ledger  # jaxpar.goodput's phases of the same incident
+    assert (led["detect_s"], led["stop_s"], led["init_s"]) == (14.0, 1.0, 2.0)
+    assert led["recovery_s"] == pytest.approx(r.recovery_s)
+
+    md = open(report.write_report(run)).read()
+    assert "shrink" in md and "2→1" in md and "hang@6:process=1" in md
+    assert "restore" in md and "step 4 (incarnation 1)" in md
+    assert "| productive steps | 8.0 | 14.0% |" in md
+    assert "Recovery phases" in md
+    for name in ("loss.png", "step_time.png", "goodput.png"):
+        assert name in md
+        assert open(os.path.join(run, "report", name), "rb").read(8) == PNG
+
+
+def test_report_of_a_run_without_restarts(tmp_path):
+    run = str(tmp_path)
+    _ev(run, "start", 0.0, 0, nproc=1, mesh="data=8")
+    _ev(run, "compiled", 5.0, 0, seconds=4.0)
+    _steps(run, 0, range(1, 11), t_first=6.0)
+    _ev(run, "done", 16.0, 0, step=10)
+    a = report.analyze(run)
+    assert a.restarts == [] and a.totals["recomputed"] == 0.0
+    assert a.totals["productive"] == pytest.approx(10.0) and a.wall_s == pytest.approx(16.0)
+    md = open(report.write_report(run)).read()
+    assert "No restarts" in md and "| status | finished |" in md
+
+
+def test_report_of_a_run_in_progress(tmp_path):
+    run = str(tmp_path)
+    _ev(run, "start", 0.0, 0, nproc=1, mesh="data=8")
+    _ev(run, "compiled", 5.0, 0, seconds=4.0)
+    _steps(run, 0, range(1, 4), t_first=6.0)
+    _ev(run, "start", 20.0, 1, nproc=1, mesh="data=8")  # a rerun, still compiling
+    a = report.analyze(run)
+    assert "in progress" in a.status
+    assert a.restarts[0].recovery_s is None and a.restarts[0].cause.startswith("rerun")
+    md = open(report.write_report(run)).read()
+    assert "in progress" in md
+    assert os.path.getsize(os.path.join(run, "report", "goodput.png")) > 0
+
+
+def test_report_rejects_a_directory_that_is_not_a_run(tmp_path):
+    with pytest.raises(ValueError, match="events.jsonl or metrics.jsonl"):
+        report.analyze(str(tmp_path))
+
+
+# ---- a real run with a kill and a restart (slow) ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_of_a_real_run_with_a_restart(tmp_path):
+    run = str(tmp_path / "run")
+    # synchronous saves: step 5 is committed before the kill at step 8, so the rerun restores it
+    train = [
+        sys.executable, "-m", "train", "--recipe", "digits_mlp", "--steps", "12", "--run-dir", run,
+        "--no-progress", "--set", "ckpt.every=5", "--set", "ckpt.use_async=false",
+        "--set", "train.eval_every=6", "--set", "log.tensorboard=true", "--fault", "kill@8",
+    ]  # fmt: skip
+    first = run_cmd(train)
+    assert first.returncode == -signal.SIGKILL, first.stdout[-4000:]
+    second = run_cmd(train)
+    assert second.returncode == 0, second.stdout[-4000:]
+
+    rep = run_cmd([sys.executable, "-m", "jaxpar.cli", "report", run], timeout=300)
+    assert rep.returncode == 0, rep.stdout[-4000:]
+    md_path = os.path.join(run, "report", "report.md")
+    assert rep.stdout.strip().endswith(md_path)
+    md = open(md_path).read()
+    assert "restart" in md and "injected kill@8" in md and "step 5 (incarnation 1)" in md
+    for name in ("loss.png", "step_time.png", "goodput.png"):
+        blob = open(os.path.join(run, "report", name), "rb").read()
+        assert blob[:8] == PNG and len(blob) > 10_000, name
+
+    lines = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    per_step = last_per_step(lines)
+    assert list(per_step) == list(range(1, 13))
+    assert all("mem_gb" in v for v in per_step.values())  # None on CPU
+    # TensorBoard: both incarnations' files parse; the last value per step matches metrics.jsonl
+    tb = read_tensorboard(os.path.join(run, "tensorboard"))
+    assert len(os.listdir(os.path.join(run, "tensorboard"))) == 2
+    steps = [s for s, _ in tb["train/loss"]]
+    cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # incarnation 1
+    # the SIGKILL may take incarnation 0's newest line (step 7) with it
+    assert steps[:cut] in (list(range(1, 7)), list(range(1, 8)))
+    assert steps[cut:] == list(range(6, 13))
+    last = dict(tb["train/loss"])
+    assert all(last[s] == pytest.approx(v["loss"], rel=1e-6) for s, v in per_step.items())
+    assert {"train/lr", "train/grad_norm", "perf/step_time_s", "perf/samples_per_s"} <= set(tb)
+    assert [s for s, _ in tb["eval/loss"]][-2:] == [6, 12]
+    assert "perf/mfu" not in tb  # unknown peak FLOP/s on CPU: null, not logged

@@ -126,8 +126,12 @@ def to_dict(cfg: Any) -> dict:
     return out
 
 
-def config_hash(cfg: TrainConfig, sections: tuple[str, ...] = ("model", "data", "optim")) -> str:
-    """Hash of what determines the trained values (model, optimizer, data), not the layout."""
+def config_hash(
+    cfg: TrainConfig, sections: tuple[str, ...] = ("model", "data", "optim", "comm")
+) -> str:
+    """Hash of what determines the trained values (model, optimizer, data, gradient
+    communication), not the layout. train.steps is left out on purpose: extending a run to more
+    steps is normal (its learning-rate schedule then follows the new length)."""
     d = to_dict(cfg)
     d = {k: d[k] for k in sections}
     d["train.seed"] = cfg.train.seed
@@ -155,8 +159,29 @@ def _convert(text: str, typ: Any, key: str) -> Any:
         except ValueError:
             raise ValueError(f"--set {key}={text}: expected {typ.__name__}") from None
     if origin is tuple:
-        return tuple(json.loads(text))
+        return _convert_tuple(text, typ, key)
     return json.loads(text) if typ is not Any else text
+
+
+def _convert_tuple(text: str, typ: Any, key: str) -> tuple:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list):
+        raise ValueError(f"--set {key}={text}: expected a JSON list like [16, 32]")
+    args = typing.get_args(typ)
+    elem = args[0] if args else Any
+    if elem is Any or elem is Ellipsis:
+        return tuple(items)
+    out = []
+    for item in items:
+        if elem in (int, float) and (isinstance(item, bool) or not isinstance(item, int | float)):
+            raise ValueError(f"--set {key}={text}: elements must be {elem.__name__}")
+        if elem is int and isinstance(item, float) and not item.is_integer():
+            raise ValueError(f"--set {key}={text}: elements must be int")
+        out.append(elem(item) if elem in (int, float, str) else item)
+    return tuple(out)
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
@@ -169,16 +194,17 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     return cfg
 
 
-def _set_path(obj: Any, parts: list[str], value: str, key: str) -> Any:
+def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = "") -> Any:
     if not dataclasses.is_dataclass(obj):
-        raise ValueError(f"--set {key}: {'.'.join(parts)} is not a config section")
+        raise ValueError(f"--set {key}: {prefix} is a value, not a config section")
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = parts[0]
     if name not in fields:
         raise ValueError(f"--set {key}: unknown key {name!r}; known here: {sorted(fields)}")
     current = getattr(obj, name)
     if len(parts) > 1:
-        return dataclasses.replace(obj, **{name: _set_path(current, parts[1:], value, key)})
+        sub = _set_path(current, parts[1:], value, key, f"{prefix}.{name}".lstrip("."))
+        return dataclasses.replace(obj, **{name: sub})
     hints = typing.get_type_hints(type(obj), vars(sys.modules[type(obj).__module__]))
     return dataclasses.replace(obj, **{name: _convert(value, hints[name], key)})
 

@@ -155,6 +155,15 @@ class GPT(nnx.Module):
         logits_BTV = self.ln_f(x_BTD) @ self.head[...]
         return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
+    def pipeline_parts(self):
+        """(embed, blocks, head) for a pipeline schedule (jaxpar.pipeline.PipelineModel).
+
+        embed(tokens_BT, key) -> x_BTD; blocks: the stacked module (one layer's slice of its
+        state, merged with its graphdef, is a Block called as block(x_BTD, key)); head(x_BTD) ->
+        logits_BTV, applied position by position.
+        """
+        return self.embed, self.blocks, self.unembed
+
     def __call__(self, tokens_BT, key=None):
         keys = jax.random.split(key, self.cfg.n_layers + 1) if key is not None else None
         x_BTD = self.embed(tokens_BT, None if keys is None else keys[-1])

@@ -1,0 +1,300 @@
+# ruff: noqa: E402  (XLA_FLAGS must be set before jax is imported)
+"""Shared test set-up: 8 simulated CPU devices, cached compiled steps and reference runs.
+
+Tiers: `python -m pytest -m "not slow"` is the fast tier; `slow` marks multi-layout parity,
+subprocess and end-to-end tests. A test needing another device count calls
+`rerun_with_devices(request, n)`, which re-runs that one test in a subprocess.
+
+Every test checks (autouse fixture) that the process has exactly the devices it expects, so a
+multi-device test can never silently run on one device.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = int(os.environ.get("JAXPAR_TEST_DEVICES", "8"))
+
+
+def _xla_flags(existing: str, devices: int) -> str:
+    """XLA_FLAGS for the tests: an existing host device count wins; single-threaded CPU ops."""
+    flags = existing.split()
+    if not any(f.startswith("--xla_force_host_platform_device_count") for f in flags):
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in flags):
+        # Fewer threads per device: 8 fake devices on a couple of shared cores.
+        flags += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+    return " ".join(flags)
+
+
+# Must happen before jax creates its CPU backend (the first jax.devices() call).
+os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # models/, meshes/ and train/ are imported from the checkout
+
+import dataclasses
+import inspect
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+jax.config.update("jax_threefry_partitionable", True)  # random bits independent of sharding
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import collectives, trainer
+from jaxpar import data as data_lib
+from jaxpar import step as step_lib
+from jaxpar.config import TrainConfig, resolve_recipe
+from jaxpar.mesh import make_mesh
+from jaxpar.rules import Preset
+
+PARITY_STEPS = 5
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _device_count():
+    got = jax.device_count()
+    assert got == DEVICES, (
+        f"tests expect {DEVICES} devices, jax sees {got}: XLA_FLAGS must be set before jax starts "
+        f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})"
+    )
+
+
+@pytest.fixture(scope="session")
+def devices8():
+    """The 8 simulated devices (asserted, never skipped)."""
+    assert jax.device_count() == 8, f"needs 8 devices, have {jax.device_count()}"
+    return jax.devices()
+
+
+# ---- building and running programs -------------------------------------------------------------
+
+
+def recipe(name: str, steps: int = PARITY_STEPS, **train) -> TrainConfig:
+    """A recipe's config with `steps` (and other train.* fields) replaced."""
+    cfg = resolve_recipe(name)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, **train))
+
+
+def preset(name: str) -> Preset:
+    import meshes
+
+    return meshes.resolve(name)
+
+
+@dataclass
+class Built:
+    cfg: TrainConfig
+    preset: Preset
+    mesh: jax.sharding.Mesh
+    source: data_lib.Source
+    program: step_lib.Program
+
+
+def build(cfg: TrainConfig, layout: str) -> Built:
+    """Program for `cfg` on a preset; 1-device presets use the first device only."""
+    p = preset(layout)
+    devices = jax.devices()[: p.mesh.size] if p.mesh.size > 0 else None
+    mesh = make_mesh(p.mesh, devices)
+    source = trainer.make_source(cfg)
+    spec = data_lib.batch_spec(source, cfg.data.global_batch)
+    program = step_lib.build_program(cfg, mesh, p.params, p.acts, spec, source.kind)
+    return Built(cfg, p, mesh, source, program)
+
+
+def device_batch(b: Built, step: int) -> dict:
+    rows = data_lib.global_batch(
+        b.source, step=step, global_batch=b.cfg.data.global_batch, seed=b.cfg.data.seed
+    )
+    return data_lib.to_device(rows, b.program.batch_shardings, b.cfg.data.global_batch)
+
+
+def _extra_step_args(b: Built, abstract: bool) -> tuple:
+    """Arguments of train_step after (state, batch): `poison` (1.0 = no fault) if it takes one."""
+    params = list(inspect.signature(b.program.train_step).parameters)
+    extra = params[2:]
+    if extra not in ([], ["poison"]):
+        raise AssertionError(f"train_step{tuple(params)}: tests know (state, batch[, poison])")
+    if not extra:
+        return ()
+    sharding = NamedSharding(b.mesh, PartitionSpec())
+    if abstract:
+        return (jax.ShapeDtypeStruct((), np.float32, sharding=sharding),)
+    return (jax.device_put(np.float32(1.0), sharding),)
+
+
+def compile_train_step(b: Built):
+    """The AOT-compiled train step (what the trainer runs; audits read its HLO)."""
+    spec = data_lib.batch_spec(b.source, b.cfg.data.global_batch)
+    abs_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b.program.batch_shardings[k])
+        for k, v in spec.items()
+    }
+    lowered = b.program.train_step.lower(
+        b.program.abstract_state, abs_batch, *_extra_step_args(b, abstract=True)
+    )
+    return lowered.compile()
+
+
+@dataclass
+class Compiled:
+    built: Built
+    step: Any  # jax.stages.Compiled train step
+    colls: list  # its collective audit
+
+    @property
+    def mesh(self):
+        return self.built.mesh
+
+    @property
+    def program(self):
+        return self.built.program
+
+
+def compile_layout(cfg: TrainConfig, layout: str) -> Compiled:
+    b = build(cfg, layout)
+    step = compile_train_step(b)
+    return Compiled(b, step, collectives.audit(step, b.mesh))
+
+
+def first_step_grads(cfg: TrainConfig, state_after_one_step: dict, grad_norm: float) -> dict:
+    """The raw gradients of step 1, read back from Adam's first moment (numpy pure dict).
+
+    After one step from zero moments mu = (1 - b1) * clip(g), and clipping scaled g by
+    min(1, clip_norm / |g|). This is the gradient the real train step computed, through its
+    own sharding and (for microbatches > 1) its accumulation, at no extra compile.
+    """
+    opt = cfg.optim
+    assert opt.name == "adamw", "gradients are read from Adam's first moment"
+    mu = optax.tree_utils.tree_get(state_after_one_step["opt"], "mu")
+    unclip = max(1.0, grad_norm / opt.clip_norm) if opt.clip_norm > 0 else 1.0
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) / (1.0 - opt.b1) * unclip, mu)
+
+
+@dataclass
+class RunResult:
+    losses: np.ndarray  # per step
+    grad_norms: np.ndarray  # per step (train_step metric, before clipping)
+    grads: dict  # first-step gradients (numpy pure dict)
+
+
+def train(c: Compiled, init=None) -> RunResult:
+    """Run the compiled step for cfg.train.steps steps from `init()` (default: the program's)."""
+    b = c.built
+    state = (init or b.program.init)()
+    extra = _extra_step_args(b, abstract=False)
+    losses, norms, grads = [], [], None
+    for step in range(b.cfg.train.steps):
+        state, metrics = c.step(state, device_batch(b, step), *extra)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+        if step == 0:  # before the next step donates this state
+            grads = first_step_grads(b.cfg, state, norms[0])
+    return RunResult(np.array(losses), np.array(norms), grads)
+
+
+def max_rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+
+
+def max_abs_tree(a: dict, b: dict) -> float:
+    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b)
+    return max(jax.tree.leaves(diffs))
+
+
+@pytest.fixture(scope="session")
+def jp():
+    """The helpers above, for test modules (conftest is not importable as a module)."""
+    import types
+
+    return types.SimpleNamespace(
+        recipe=recipe, preset=preset, build=build, device_batch=device_batch,
+        compile_train_step=compile_train_step, compile_layout=compile_layout,
+        max_rel=max_rel, max_abs_tree=max_abs_tree, REPO=REPO,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """Session cache of compiled train steps: compiled(recipe, layout, microbatches=1, steps=5)."""
+    cache: dict[tuple, Compiled] = {}
+
+    def get(name: str, layout: str, microbatches: int = 1, steps: int = PARITY_STEPS) -> Compiled:
+        key = (name, layout, microbatches, steps)
+        if key not in cache:
+            cache[key] = compile_layout(recipe(name, steps, microbatches=microbatches), layout)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def runs(compiled):
+    """Session cache of training runs: runs(recipe, layout, microbatches=1, steps=5)."""
+    cache: dict[tuple, RunResult] = {}
+
+    def get(name: str, layout: str, microbatches: int = 1, steps: int = PARITY_STEPS):
+        key = (name, layout, microbatches, steps)
+        if key not in cache:
+            # Microbatching does not change the initial state: reuse the compiled init.
+            init = compiled(name, layout, 1, steps).program.init if microbatches > 1 else None
+            cache[key] = train(compiled(*key), init)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(runs):
+    """gpt_tiny on one device: 5-step losses and first-step gradients (shared by all tests)."""
+    return runs("gpt_tiny", "cpu1")
+
+
+# ---- other device counts ------------------------------------------------------------------------
+
+
+def rerun_with_devices(request: pytest.FixtureRequest, devices: int, timeout: float = 300) -> bool:
+    """Re-run the calling test in a subprocess with `devices` CPU devices.
+
+    Returns True in the parent (which should then return: the child did the work and passed) and
+    False in the child (which carries on with the test body).
+
+        def test_x(request):
+            if rerun_with_devices(request, 4):
+                return
+            assert jax.device_count() == 4
+    """
+    if jax.device_count() == devices:
+        return False
+    env = dict(os.environ, JAXPAR_TEST_DEVICES=str(devices))
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}", *flags])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", request.node.nodeid]
+    proc = subprocess.run(
+        cmd, cwd=str(request.config.rootpath), env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, (
+        f"{request.node.nodeid} with {devices} devices failed (rc {proc.returncode}):\n"
+        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return True
+
+
+@pytest.fixture
+def rerun(request):
+    """rerun(n): see rerun_with_devices."""
+    return lambda devices, timeout=300: rerun_with_devices(request, devices, timeout)

@@ -167,9 +167,7 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
 
 def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
     """The newest good checkpoint resharded onto this mesh, else a fresh sharded init."""
-    got = ckpt.restore(
-        s.program.abstract_state, s.mesh, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force
-    )
+    got = ckpt.restore(s.program.abstract_state, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
     if got is None:
         return s.program.init()
     state, meta = got
@@ -266,10 +264,15 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
                 raise Preempted(f"preempted at step {step}; saved")
             return
         inject.before_step(step)
+        # `step` steps done, arrived at the next; before any cross-process sync, so a slow
+        # process shows up late here (stragglers) and a hung one not at all.
+        launch.heartbeat(s.run.path, step)
         state["params"] = inject.maybe_diverge(step, state["params"])
         batch = device_batch(s, step)
-        poison = jax.device_put(np.float32(inject.poison(step)), replicated)
-        launch.heartbeat(s.run.path, step)  # `step` steps done; arrived at the next one
+        # make_array_from_callback, not device_put: device_put checks that every process passes
+        # equal values, and NaN != NaN (it would also add a cross-process check to every step).
+        value = np.float32(inject.poison(step))
+        poison = jax.make_array_from_callback((), replicated, lambda _, v=value: v)
         t0 = time.time()
         state, m = compiled(state, batch, poison)
         if s.program.sync_every and (step + 1) % s.program.sync_every == 0:

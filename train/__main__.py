@@ -13,9 +13,6 @@ import sys
 import time
 
 
-EXIT_REPLICA = 45  # replicas disagree: restart from the last good checkpoint
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="gpt_tiny", help="name in train.recipes, or module:function")
@@ -50,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         or os.environ.get(launch.ENV_RUN_DIR)
         or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    from jaxpar.checkpoint import EXIT_PREEMPTED, CheckpointMismatch, Preempted, ReplicaMismatch
-    from jaxpar.faults import EXIT_NAN, NonFiniteLoss
+    from jaxpar.checkpoint import CheckpointMismatch, Preempted, ReplicaMismatch
+    from jaxpar.faults import NonFiniteLoss
+    from jaxpar.launch import EXIT_NAN, EXIT_PREEMPTED, EXIT_REPLICA
 
     # guard(): any other error in a multi-process job exits at once (43 for a collective error)
     # instead of waiting in jax's shutdown barrier for a dead peer.

@@ -1,0 +1,157 @@
+"""`jaxpar launch` under real failures: 4 worker processes x 2 CPU devices of (a smaller) gpt_tiny,
+real jax.distributed over gloo on 127.0.0.1, real signals. Every run is compared with one
+uninterrupted supervised run: losses identical (==) per step (last metrics line per step), or
+within fp32 tolerance after an elastic shrink (more microbatches change the summation order).
+
+    python -m pytest tests/faults/test_supervisor.py -m slow
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
+from launch_util import Launch, losses, train_cmd  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS, EVERY = 10, 4
+NPROC = ["--nproc", "4", "--devices-per-proc", "2"]
+HANG_TIMEOUT = 15.0
+WAIT = 600  # seconds a whole supervised run may take on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """The uninterrupted run; process 1 sleeps 1 s per step from step 3 (a straggler, which
+    changes no number)."""
+    run = Launch(tmp_path_factory.mktemp("sup") / "ref", [*NPROC, "--fault",
+                 "slow@3:process=1:seconds=1.0"], train_cmd(STEPS, EVERY))  # fmt: skip
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    ref = losses(run.run_dir)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    return run.run_dir, ref
+
+
+def _launch(tmp_path, *args, steps=STEPS, every=EVERY) -> Launch:
+    return Launch(tmp_path / "run", [*NPROC, *args], train_cmd(steps, every))
+
+
+def test_straggler_reported_without_restart(reference):
+    run_dir, _ = reference
+    run = Launch.__new__(Launch)
+    run.run_dir = run_dir
+    (s,) = run.events("straggler")
+    assert s["process"] == 1 and s["lag_s"] > 0.5 and s["factor"] >= 2.0
+    assert run.events("restart") == [] and run.summary()["restarts"] == 0
+
+
+def test_kill9_one_restart_exact(tmp_path, reference):
+    run = _launch(tmp_path)
+    try:
+        run.wait_for_step(5, WAIT)
+        victim = run.worker_pid(2)
+        os.kill(victim, signal.SIGKILL)
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (f,) = run.events("failure")
+    assert (f["cause"], f["process"], f["code"]) == ("signal", 2, -9)
+    assert [r["counted"] for r in run.events("restart")] == [True]
+    assert losses(run.run_dir) == reference[1]
+    s = run.summary()
+    assert s["status"] == "completed" and s["restarts"] == 1 and s["lost_steps"] >= 0
+    assert s["incidents"][0]["recovery_s"] > 0 and s["mttr_s"] == s["incidents"][0]["recovery_s"]
+    # survivors left on their own (collective error -> exit 43) or were stopped; none remain
+    assert run.events("survivors_stopped")[0]["killed"] <= 3
+
+
+def test_hang_detected_stacks_dumped_restart(tmp_path, reference):
+    run = _launch(tmp_path, "--hang-timeout", str(HANG_TIMEOUT), "--fault", "hang@6:process=2")
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (fault,) = run.events("fault_injected")
+    (f,) = run.events("failure")
+    assert (f["cause"], f["process"], f["step"]) == ("hang", 2, 6)
+    latency = f["time"] - fault["time"]
+    assert latency < HANG_TIMEOUT + 10, latency  # the clock runs from its last heartbeat
+    (dump,) = run.events("stacks_dumped")
+    assert len(dump["files"]) == 4
+    hung = (run.run_dir / next(p for p in dump["files"] if p.endswith("proc2.txt"))).read_text()
+    assert "in before_step" in hung and "faults.py" in hung  # the frame that hangs
+    assert losses(run.run_dir) == reference[1]
+
+
+def test_sigterm_preemption_uncounted_restart_exact(tmp_path, reference):
+    run = _launch(tmp_path, "--fault", "sigterm@6:process=1")
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    assert run.events("failure") == []
+    (p,) = run.events("preemption")
+    assert p["code"] == 42
+    assert [r["counted"] for r in run.events("restart")] == [False]
+    assert run.events("preempted")  # the workers' coordinated save
+    s = run.summary()
+    assert s["restarts"] == 1 and s["counted_restarts"] == 0 and s["preemptions"] == 1
+    assert losses(run.run_dir) == reference[1]
+
+
+def test_nan_rolls_back_and_completes(tmp_path, reference):
+    run = _launch(tmp_path, "--fault", "nan@6")
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (f,) = run.events("failure")
+    assert (f["cause"], f["step"]) == ("nan", 6)
+    assert run.events("restore")[-1]["step"] == 4
+    assert losses(run.run_dir) == reference[1]
+
+
+def test_restart_budget_exhausted_keeps_checkpoints(tmp_path):
+    run = _launch(tmp_path, "--max-restarts", "1", "--fault", "kill@4:process=1:repeat", every=2)
+    try:
+        rc = run.wait(WAIT)
+    finally:
+        run.close()
+    assert rc != 0
+    assert "restart budget spent" in run.output()
+    (g,) = run.events("gave_up")
+    assert "restart budget" in g["reason"]
+    assert len(run.events("failure")) == 2
+    saved = {e["step"] for e in run.events("save_end")}
+    ckpts = run.run_dir / "checkpoints"
+    committed = {int(d) for d in os.listdir(ckpts) if d.isdigit()}
+    assert committed and committed <= saved  # nothing removed, nothing half-written kept
+    assert run.summary()["status"] == "gave_up"
+
+
+def test_permanent_loss_shrinks_4_to_2(tmp_path, reference):
+    run = _launch(tmp_path, "--min-nproc", "2", "--fault", "kill@6:process=3:permanent")
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (sh,) = run.events("shrink")
+    assert (sh["from_nproc"], sh["to_nproc"], sh["lost"]) == (4, 2, [3])
+    assert sh["mesh"].startswith("data=4") and sh["microbatches"] == 2
+    starts = run.events("start")
+    assert [s["nproc"] for s in starts] == [4, 2]
+    restore = run.events("restore")[-1]
+    assert (restore["from_nproc"], restore["to_nproc"]) == (4, 2)
+    got, ref = losses(run.run_dir), reference[1]
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-5), step

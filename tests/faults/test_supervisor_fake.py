@@ -1,0 +1,127 @@
+"""The supervisor's behaviour with real processes and signals but a fake worker (no jax), so each
+case takes seconds: crash loop with backoff, a usage error is not retried, hang detection with
+stack dumps, SIGTERM to the supervisor passed on as a preemption notice.
+
+The fake worker follows the worker contract: heartbeats via jaxpar.launch, metrics and events
+through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its stack.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
+from launch_util import Launch, clean_env  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+FAKE = """
+import os, signal, sys, time
+from jaxpar import launch
+from jaxpar.metrics import RunDir
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+run_dir = os.environ["JAXPAR_RUN_DIR"]
+p, inc = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_INCARNATION"])
+run = RunDir(run_dir, p, inc)
+launch.install_stack_dump()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(launch.EXIT_PREEMPTED))
+if mode == "usage":
+    sys.exit(2)
+run.event("start", nproc=int(os.environ["JAXPAR_NUM_PROCESSES"]))
+
+def stuck_here():
+    while True:
+        time.sleep(3600)
+
+def collective(step):  # like an all-reduce: nobody passes step until everyone arrived there
+    n = int(os.environ["JAXPAR_NUM_PROCESSES"])
+    while True:
+        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in range(n)]
+        if all(h and h["incarnation"] == inc and h["step"] >= step for h in hbs):
+            return
+        time.sleep(0.01)
+
+for step in range(steps):
+    if mode == "crash" and p == 1 and step == 2:
+        sys.exit(3)
+    if mode == "hang" and p == 1 and step == 3 and inc == 0:
+        stuck_here()
+    launch.heartbeat(run_dir, step)
+    collective(step)
+    time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
+    run.metrics({"step": step + 1, "loss": 1.0 / (step + 1), "step_time_s": 0.05,
+                 "tokens_per_s": 100.0, "time": time.time()})
+run.event("done", step=steps)
+"""
+
+
+def _fake(tmp_path, mode: str, steps: int, *args: str, env=None) -> Launch:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE)
+    cmd = [sys.executable, str(script), mode, str(steps)]
+    return Launch(tmp_path / "run", ["--nproc", "2", "--backoff", "0.2", *args], cmd, env=env)
+
+
+def test_crash_loop_gives_up_with_backoff(tmp_path):
+    run = _fake(tmp_path, "crash", 10, "--max-restarts", "9")
+    try:
+        rc = run.wait(60)
+    finally:
+        run.close()
+    assert rc == 1
+    assert "crash loop" in run.output()
+    (g,) = run.events("gave_up")
+    assert "same failure (exit) at step 3 3 times" in g["reason"]
+    assert [r["backoff_s"] for r in run.events("restart")] == [0.0, 0.2]  # at once, then back off
+    assert [f["code"] for f in run.events("failure")] == [3, 3, 3]
+    assert run.summary()["status"] == "gave_up"
+
+
+def test_usage_error_is_not_restarted(tmp_path):
+    run = _fake(tmp_path, "usage", 10)
+    try:
+        rc = run.wait(60)
+    finally:
+        run.close()
+    assert rc == 1 and run.events("restart") == []
+    assert "code 2" in run.events("gave_up")[0]["reason"]
+
+
+def test_hang_detected_dumped_restarted(tmp_path):
+    run = _fake(tmp_path, "hang", 8, "--hang-timeout", "1.5")
+    try:
+        assert run.wait(60) == 0, run.output()
+    finally:
+        run.close()
+    (f,) = run.events("failure")
+    assert (f["cause"], f["process"], f["step"]) == ("hang", 1, 4)
+    (dump,) = run.events("stacks_dumped")
+    text = (run.run_dir / "stacks" / "inc0-proc1.txt").read_text()
+    assert "in stuck_here" in text, dump
+    s = run.summary()
+    assert s["status"] == "completed" and s["steps"] == 8 and s["restarts"] == 1
+    assert s["incidents"][0]["detect_s"] == pytest.approx(1.5, abs=1.0)
+
+
+def test_sigterm_to_supervisor_is_a_preemption(tmp_path):
+    env = clean_env()
+    env["FAKE_STEP_S"] = "0.5"
+    run = _fake(tmp_path, "train", 1000, env=env)
+    try:
+        deadline = time.time() + 60
+        while not (run.run_dir / "heartbeats" / "proc1.json").exists():
+            assert time.time() < deadline and run.proc.poll() is None, run.output()
+            time.sleep(0.1)
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.wait(60)
+    finally:
+        run.close()
+    assert rc == 42, run.output()
+    assert run.summary()["status"] == "preempted"
+    assert run.events("restart") == []

@@ -1,0 +1,111 @@
+"""Helpers for tests that run `jaxpar launch` with real worker processes on 127.0.0.1.
+
+Every launch runs in its own session, bounded by a timeout; `close()` kills the supervisor and
+every worker whose environment names the run directory (by PID), whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from jaxpar.metrics import last_per_step, read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# gpt_tiny made smaller so that each incarnation compiles in seconds on a shared 2-core machine;
+# the supervisor does not care what it trains.
+SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
+
+
+def train_cmd(steps: int, every: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--steps", str(steps),
+        "--no-progress", "--set", f"ckpt.every={every}", *SMALL, *extra,
+    ]  # fmt: skip
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+    env["XLA_FLAGS"] = THREADS
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+class Launch:
+    """`jaxpar launch ARGS -- COMMAND` in the background."""
+
+    def __init__(self, run_dir: Path, args: list[str], command: list[str], env=None, name="launch"):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = self.run_dir.parent / f"{self.run_dir.name}.{name}.log"
+        cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", str(run_dir), *args]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--", *command], cwd=REPO, env=env or clean_env(), stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            msg = f"jaxpar launch timed out after {timeout}s:\n{self.output()}"
+            raise AssertionError(msg) from None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        kill_workers(self.run_dir)
+
+    def events(self, name: str | None = None) -> list[dict]:
+        evs = read_jsonl(str(self.run_dir / "events.jsonl"))
+        return [e for e in evs if name is None or e["event"] == name]
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if max(losses(self.run_dir), default=0) >= step:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launch ended before step {step}:\n{self.output()}")
+            time.sleep(0.1)
+        raise AssertionError(f"step {step} not reached in {timeout}s:\n{self.output()}")
+
+    def worker_pid(self, process: int) -> int:
+        hb = json.loads((self.run_dir / "heartbeats" / f"proc{process}.json").read_text())
+        return int(hb["pid"])
+
+
+def kill_workers(run_dir: Path) -> list[int]:
+    """SIGKILL every process whose environment has JAXPAR_RUN_DIR=run_dir; returns their PIDs."""
+    target = os.path.abspath(run_dir)
+    killed = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("JAXPAR_RUN_DIR") == target and p.pid != os.getpid():
+                p.kill()
+                killed.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed
+
+
+def losses(run_dir) -> dict[int, float]:
+    lines = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    return {s: m["loss"] for s, m in last_per_step(lines).items()}

@@ -1,0 +1,215 @@
+"""The supervisor's decisions without processes: causes, backoff, crash loops, shrink arithmetic,
+command rewriting, stragglers, heartbeats, worker environment, cluster detection and the ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from jaxpar import goodput, launch
+from jaxpar import supervisor as sv
+
+
+def test_exit_causes_and_root():
+    assert sv.classify_exit(-9) == "signal"
+    assert sv.classify_exit(launch.EXIT_COLLECTIVE) == "collective"
+    assert sv.classify_exit(launch.EXIT_NAN) == "nan"
+    assert sv.classify_exit(1) == "exit"
+    # the killed process is the root, not the survivors that saw the collective error
+    assert sv.root_exit([(2, 43), (0, -9), (3, 43)]) == (0, -9)
+    assert sv.root_exit([(1, -signal.SIGABRT), (2, 1)]) == (2, 1)
+    assert sv.root_exit([(3, 43), (1, 43)]) == (3, 43)  # first seen among equals
+    assert sv.root_exit([(0, 0), (1, 42)]) == (1, 42)
+
+
+def test_backoff_immediate_first_then_exponential_capped():
+    delays = [sv.backoff_s(k, 1.0, 10.0) for k in range(1, 8)]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_crash_loop_same_failure_same_step():
+    c = sv.CrashLoop(3)
+    assert not c.record("signal", 8)
+    assert not c.record("signal", 8)
+    assert c.record("signal", 8)
+    c = sv.CrashLoop(3)
+    assert not c.record("signal", 8)
+    assert not c.record("signal", 9)  # progress moved: not a loop
+    assert not c.record("signal", 9)
+    assert not c.record("exit", 9)
+    nan = sv.CrashLoop(3)
+    assert not nan.record("nan", 6)
+    assert nan.record("nan", 6)  # the same NaN at the same step twice stops the run
+
+
+def test_shrink_gpt_tiny_4x2_loses_one():
+    # batch 32 on 4 x 2 devices; 3 x 2 = 6 does not divide 32, 2 x 2 = 4 does
+    plan = sv.shrink_plan(3, 2, 32, {"data": 8, "fsdp": 1, "tensor": 1, "pipeline": 1}, 1, 1)
+    assert plan == {
+        "nproc": 2,
+        "mesh": {"data": 4, "fsdp": 1, "tensor": 1, "pipeline": 1},
+        "microbatches": 2,  # each device keeps 4 rows per microbatch
+    }
+    assert sv.mesh_text(plan["mesh"]) == "data=4,fsdp=1,tensor=1,pipeline=1"
+
+
+def test_shrink_respects_min_nproc_and_other_axes():
+    assert sv.shrink_plan(3, 2, 32, {"data": 8}, 1, min_nproc=3) is None
+    plan = sv.shrink_plan(3, 2, 32, {"data": 4, "fsdp": 1, "tensor": 2, "pipeline": 1}, 1, 1)
+    assert plan["nproc"] == 2
+    assert plan["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
+    assert plan["microbatches"] == 2
+    plan = sv.shrink_plan(5, 1, 48, {"data": 6}, 1, 1)
+    assert plan["nproc"] == 4 and plan["mesh"]["data"] == 4 and 48 % (4 * plan["microbatches"]) == 0
+    plan = sv.shrink_plan(3, 2, 32, {"data": 2, "fsdp": 4}, 1, 1)
+    assert plan["mesh"]["data"] * plan["mesh"]["fsdp"] == 4
+
+
+def test_rewrite_command_replaces_mesh_and_microbatches():
+    cmd = [
+        "python",
+        "-m",
+        "train",
+        "--mesh",
+        "dp8",
+        "--set",
+        "train.microbatches=1",
+        "--steps",
+        "9",
+    ]
+    out = sv.rewrite_command(cmd, "data=4", 2)
+    assert out == ["python", "-m", "train", "--steps", "9", "--mesh", "data=4",
+                   "--set", "train.microbatches=2"]  # fmt: skip
+    out = sv.rewrite_command(["python", "-m", "train", "--mesh=data=8"], "data=4", 2)
+    assert out == ["python", "-m", "train", "--mesh", "data=4", "--set", "train.microbatches=2"]
+
+
+def _recent(start_t, period, lag, n=8, first=1):
+    return [[first + i, start_t + i * period + lag] for i in range(n)]
+
+
+def test_stragglers_by_arrival_lag():
+    recent = {p: _recent(100.0, 0.8, 0.0) for p in range(4)}
+    assert sv.find_stragglers(recent, 2.0) == []
+    recent[2] = _recent(100.0, 0.8, 0.6)  # own work 0.8 s per step, the others 0.2 s
+    found = sv.find_stragglers(recent, 2.0)
+    assert [s["process"] for s in found] == [2]
+    assert found[0]["lag_s"] == pytest.approx(0.6)
+    assert found[0]["factor"] == pytest.approx(4.0)
+    assert sv.find_stragglers({0: _recent(0, 1, 0), 1: _recent(0, 1, 0.3)}, 2.0) == []
+
+
+def test_heartbeat_file_and_stalest(tmp_path, monkeypatch):
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "1")
+    monkeypatch.setenv(launch.ENV_INCARNATION, "3")
+    launch._state["hb_dir"] = None
+    launch.heartbeat(str(tmp_path), 4)
+    launch.heartbeat(str(tmp_path), 5)
+    rec = json.loads((tmp_path / "heartbeats" / "proc1.json").read_text())
+    assert rec["step"] == 5 and rec["incarnation"] == 3 and rec["pid"] == os.getpid()
+    assert [s for s, _ in rec["recent"]] == [4, 5]
+    assert os.listdir(tmp_path / "heartbeats") == ["proc1.json"]
+
+    hb = sv.Heartbeats(str(tmp_path), 2, 3)
+    hb.update(now=10.0)
+    assert hb.stepping_since is None  # first sighting only: no step completed yet
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
+    launch._state["hb_dir"] = None
+    launch.heartbeat(str(tmp_path), 6)
+    hb.update(now=11.0)
+    launch.heartbeat(str(tmp_path), 7)
+    hb.update(now=12.0)
+    assert hb.stepping_since == 12.0
+    assert hb.stalest(now=20.0) == (1, 8.0)  # process 1 stuck at 5, clock from stepping
+    assert hb.max_step() == 7
+    stale = sv.Heartbeats(str(tmp_path), 2, incarnation=4)
+    stale.update(now=1.0)
+    assert stale.last == {}  # another incarnation's heartbeats are ignored
+
+
+def test_worker_env():
+    env = sv.worker_env(
+        {"XLA_FLAGS": "--xla_dump_to=/tmp/d", launch.ENV_FAULTS: "kill@3"},
+        coordinator="127.0.0.1:1234", bind="127.0.0.1:1234", nproc=4, process_id=2,
+        local_rank=2, devices_per_proc=2, run_dir="/r", incarnation=1, faults=["hang@5"],
+        heartbeat_timeout=90, collective_timeout=90,
+    )  # fmt: skip
+    assert env[launch.ENV_COORDINATOR] == "127.0.0.1:1234"
+    assert env[launch.ENV_PROCESS_ID] == "2" and env[launch.ENV_NUM_PROCESSES] == "4"
+    assert env[launch.ENV_INCARNATION] == "1" and env[launch.ENV_SUPERVISED] == "1"
+    assert env[launch.ENV_FAULTS] == "kill@3;hang@5"
+    assert env["XLA_FLAGS"].startswith("--xla_dump_to=/tmp/d ")
+    assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+    assert env["JAX_LOCAL_DEVICE_IDS"] == "4,5"
+    assert env[launch.ENV_COLLECTIVE_TIMEOUT] == "90"
+
+
+def test_detect_cluster():
+    assert launch.detect_cluster({}) is None
+    assert launch.detect_cluster({"JAXPAR_COORDINATOR": "h:1", "JAXPAR_PROCESS_ID": "0"}) == (
+        "explicit"
+    )
+    k8s = {"JAXPAR_COORDINATOR": "h:1", "JAXPAR_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"}
+    assert launch.detect_cluster(k8s) == "k8s"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    assert launch.detect_cluster(slurm) == "slurm"
+    assert launch.detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None  # one task: no cluster
+    ompi = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://127.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert launch.detect_cluster(ompi) == "ompi"
+
+
+def test_guard_reraises_outside_a_distributed_job():
+    with pytest.raises(RuntimeError):
+        with launch.guard():
+            raise RuntimeError("boom")
+    assert launch.run_worker(lambda: None) == 0
+
+
+def test_event_tail_skips_torn_line(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "a"}\n')
+    tail = sv.EventTail(str(path))
+    with open(path, "a") as f:
+        f.write('{"event": "b"}\n{"event": "c"')
+    assert [e["event"] for e in tail.read()] == ["b"]
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert [e["event"] for e in tail.read()] == ["c"]
+
+
+def _ev(t, name, inc, **kw):
+    return {"event": name, "time": t, "incarnation": inc, **kw}
+
+
+def test_ledger_recovery_and_lost_steps():
+    events = [
+        _ev(0.0, "launch", 0),
+        _ev(0.1, "group_started", 0),
+        _ev(5.0, "start", 0),
+        _ev(8.0, "compiled", 0),
+        _ev(13.0, "fault_injected", 0, kind="kill", spec="kill@8:process=1", process=1, step=8),
+        _ev(13.2, "failure", 0, cause="signal", process=1, code=-9, step=8),
+        _ev(13.4, "survivors_stopped", 0, seconds=0.2),
+        _ev(13.5, "restart", 1, attempt=1),
+        _ev(13.5, "group_started", 1),
+        _ev(16.0, "start", 1),
+        _ev(16.5, "restore", 1, step=5),
+        _ev(18.0, "compiled", 1),
+    ]
+    metrics = [{"step": s, "loss": 1.0, "step_time_s": 0.5, "time": 8 + s / 2} for s in range(1, 8)]
+    metrics += [
+        {"step": s, "loss": 1.0, "step_time_s": 0.5, "time": 15.5 + s / 2} for s in (6, 7, 8)
+    ]
+    (inc,) = goodput.incidents(events, metrics)
+    assert inc["cause"] == "signal" and inc["process"] == 1
+    assert inc["detect_s"] == pytest.approx(0.2)
+    assert inc["recovery_s"] == pytest.approx(18.5 - 13.0)  # first new step - fault
+    assert inc["init_s"] == pytest.approx(2.5) and inc["restore_s"] == pytest.approx(0.5)
+    assert inc["compile_s"] == pytest.approx(1.5) and inc["first_step_s"] == pytest.approx(0.5)
+    assert inc["lost_steps"] == 2  # steps 6 and 7 were recomputed
+    lost = goodput.time_lost(events, metrics, [inc])
+    assert lost["signal"] == pytest.approx(5.5 + 2 * 0.5)  # recovery + recomputed steps
+    assert lost["startup"] == pytest.approx(8.5)

@@ -5,15 +5,17 @@ Specs (`--fault SPEC`, repeatable; `JAXPAR_FAULTS` carries the same specs `;`-se
     kill@S[:process=P][:permanent]   SIGKILL to itself (permanent: the slot is lost for good)
     hang@S[:process=P]               stays alive, makes no progress
     sigterm@S[:process=P]            preemption notice
-    nan@S                            poisons the loss inside the compiled step
+    nan@S                            poisons loss and gradients inside the compiled step
     diverge@S[:process=P]            perturbs that process's replica of the parameters
     killsave@S                       SIGKILL after the step-S checkpoint wrote its arrays, before commit
-    corrupt@S                        flips bytes inside an array file of the newest committed checkpoint
+    corrupt@S                        flips a byte inside an array file of the newest committed checkpoint
     slow@S:process=P:seconds=X       every step from S sleeps X seconds
 
 `@S` fires when the process is about to start step S (steps < S are complete and logged). A spec
 fires once per run directory (its `fault_injected` event is the record); `:repeat` fires in
 every incarnation. `process=P` (default 0) is the process index in the incarnation that fires.
+`nan` poisons the step on every process (the process P logs it); `killsave` fires in orbax's
+commit hook, which runs on process 0; `corrupt` first waits for an in-flight save to commit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import glob
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -57,7 +60,9 @@ class FaultSpec:
         head, *opts = text.strip().split(":")
         kind, at, step = head.partition("@")
         if kind not in KINDS or not at or not step.isdigit():
-            raise ValueError(f"bad fault spec {text!r}: use KIND@STEP[:opt...] with KIND in {KINDS}")
+            raise ValueError(
+                f"bad fault spec {text!r}: use KIND@STEP[:opt...] with KIND in {KINDS}"
+            )
         fields: dict = {"kind": kind, "step": int(step), "text": text.strip()}
         for opt in opts:
             key, eq, val = opt.partition("=")
@@ -86,25 +91,35 @@ def parse_all(specs: list[str]) -> list[FaultSpec]:
 
 
 class Faults:
-    """The faults of this process in this incarnation; the loop calls the hooks below."""
+    """The faults of this process in this incarnation; the loop calls the hooks below.
+
+    `nan` poisons the step on every process (the poison scalar is replicated, so all processes
+    must agree on it); the process named by `process=P` records the event. Every other kind
+    acts only in process P. `killsave` fires in orbax's commit hook, which runs on process 0.
+    """
 
     def __init__(self, specs: list[FaultSpec], run: RunDir, process_index: int):
         self.run = run
         fired = {e.get("spec") for e in run.events() if e.get("event") == "fault_injected"}
         self.specs = [
-            s for s in specs if s.process == process_index and (s.repeat or s.text not in fired)
+            s
+            for s in specs
+            if (s.process == process_index or s.kind == "nan") and (s.repeat or s.text not in fired)
         ]
         self.process = process_index
         self._slow: float = 0.0
+        # Set by the loop's checkpointer: waits for an in-flight save (so `corrupt` sees it).
+        self.wait_for_saves: Callable[[], None] | None = None
 
     def _take(self, kind: str, step: int) -> FaultSpec | None:
         for s in self.specs:
             if s.kind == kind and s.step == step:
                 self.specs.remove(s)
-                self.run.event(
-                    "fault_injected", all_processes=True, kind=s.kind, spec=s.text,
-                    process=self.process, step=step, permanent=s.permanent,
-                )  # fmt: skip
+                if s.process == self.process:
+                    self.run.event(
+                        "fault_injected", all_processes=True, kind=s.kind, spec=s.text,
+                        process=self.process, step=step, permanent=s.permanent,
+                    )  # fmt: skip
                 return s
         return None
 
@@ -123,7 +138,10 @@ class Faults:
                 time.sleep(3600)
         if self._take("sigterm", at):
             os.kill(os.getpid(), signal.SIGTERM)
-        if self._take("corrupt", at):
+        if any(s.kind == "corrupt" and s.step == at for s in self.specs):
+            if self.wait_for_saves is not None:
+                self.wait_for_saves()  # the newest checkpoint is the committed one
+            self._take("corrupt", at)
             corrupt_newest(self.run.file("checkpoints"))
 
     def poison(self, step: int) -> float:
@@ -136,6 +154,7 @@ class Faults:
         return perturb_local_replicas(params)
 
     def before_commit(self, step: int) -> None:
+        """Orbax's commit hook for the save of `step`: arrays written, not yet committed."""
         if self._take("killsave", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -155,26 +174,107 @@ def perturb_local_replicas(params: dict) -> dict:
             val = shard.data
             coord = data_pos[shard.device][0]
             if jax.process_count() > 1 or coord > 0:
-                val = val + jnp.asarray(1e-3, val.dtype)
+                bumped = val * jnp.asarray(1 + 1e-3, val.dtype)  # a relative nudge...
+                val = jnp.where(bumped == val, jnp.nextafter(val, jnp.inf), bumped)  # ...or 1 ulp
             shards.append(jax.device_put(val, shard.device))
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
     return jax.tree.map(one, params)
 
 
-def corrupt_newest(ckpt_dir: str) -> str | None:
-    """Flip bytes in the middle of the largest array file of the newest committed checkpoint."""
-    steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(ckpt_dir) else []
-    if not steps:
+def newest_committed(ckpt_dir: str) -> str | None:
+    """Path of the newest committed step folder under `ckpt_dir`, or None."""
+    if not os.path.isdir(ckpt_dir):
         return None
-    root = os.path.join(ckpt_dir, str(steps[-1]), "state")
-    files = [f for f in glob.glob(os.path.join(root, "**", "*"), recursive=True) if os.path.isfile(f)]
-    data_files = [f for f in files if "/d/" in f or os.path.basename(f).isalnum()] or files
-    target = max(data_files, key=os.path.getsize)
-    size = os.path.getsize(target)
-    with open(target, "r+b") as f:
-        f.seek(size // 2)
-        chunk = bytearray(f.read(16))
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in chunk))
+    steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+    return os.path.join(ckpt_dir, str(steps[-1])) if steps else None
+
+
+def array_data_files(step_dir: str) -> list[str]:
+    """The files holding array chunks of a step's `state` item (orbax OCDBT layout:
+    state/ocdbt.process_<i>/d/<hash>, one per writing process and flush), largest first."""
+    pattern = os.path.join(glob.escape(step_dir), "state", "ocdbt.process_*", "d", "*")
+    files = [f for f in glob.glob(pattern) if os.path.isfile(f)]
+    if not files:  # another layout: any file under state/d
+        files = glob.glob(
+            os.path.join(glob.escape(step_dir), "state", "**", "d", "*"), recursive=True
+        )
+    return sorted(files, key=os.path.getsize, reverse=True)
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def zstd_raw_blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of the stored-verbatim ("raw") blocks of the zstd frames in `data`.
+
+    Orbax compresses each array chunk into one zstd frame; chunks of float weights do not
+    compress, so zstd stores them raw. A byte changed inside a raw block decodes without error
+    (the frames carry no content checksum) to a different value: damage only jaxpar's checksums
+    can see.
+    """
+    out = []
+    pos = data.find(_ZSTD_MAGIC)
+    while pos != -1:
+        end = _parse_frame(data, pos, out)
+        pos = data.find(_ZSTD_MAGIC, end if end else pos + 4)
+    return out
+
+
+def _parse_frame(data: bytes, pos: int, out: list) -> int | None:
+    p = pos + 4
+    if p >= len(data):
+        return None
+    fhd = data[p]
+    fcs_flag, single, has_sum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+    p += 1 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    p += (1 if single else 0, 2, 4, 8)[fcs_flag]
+    blocks = []
+    while p + 3 <= len(data):
+        header = int.from_bytes(data[p : p + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        p += 3
+        if kind == 3:
+            return None  # reserved: not a frame after all
+        if kind == 0:
+            blocks.append((p, size))
+        p += 1 if kind == 1 else size
+        if last:
+            if p + 4 * has_sum > len(data):
+                return None
+            if not has_sum:  # with a content checksum zstd itself would notice: skip those
+                out.extend(blocks)
+            return p + 4 * has_sum
+    return None
+
+
+def corrupt_newest(ckpt_dir: str, mode: str = "flip") -> str | None:
+    """Damage an array file of the newest committed checkpoint; returns the file.
+
+    mode "flip": invert one byte inside the largest raw zstd block of the largest array file
+    (size unchanged; no decoder notices), or in the file's middle if it has no raw block.
+    mode "truncate": cut the largest array file to half its size.
+    """
+    step_dir = newest_committed(ckpt_dir)
+    files = array_data_files(step_dir) if step_dir else []
+    if not files:
+        return None
+    if mode == "truncate":
+        target = files[0]
+        os.truncate(target, os.path.getsize(target) // 2)
+        return target
+    best = None  # (size, file, offset)
+    for f in files:
+        with open(f, "rb") as fh:
+            for off, size in zstd_raw_blocks(fh.read()):
+                if best is None or size > best[0]:
+                    best = (size, f, off)
+    target, where = (
+        (best[1], best[2] + best[0] // 2) if best else (files[0], os.path.getsize(files[0]) // 2)
+    )
+    with open(target, "r+b") as fh:
+        fh.seek(where)
+        byte = fh.read(1)
+        fh.seek(where)
+        fh.write(bytes([byte[0] ^ 0xFF]))
     return target

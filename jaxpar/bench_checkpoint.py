@@ -1,0 +1,170 @@
+"""`jaxpar bench checkpoint`: what checkpointing costs the training loop, measured in one run.
+
+1. Blocking: the seconds `Checkpointer.save()` holds the loop, asynchronous (orbax copies the
+   arrays to host, writes in a background thread) vs synchronous (waits for the commit), for the
+   same state, several saves each, median; their ratio.
+2. Throughput: the same compiled train step in blocks of N steps without a save and with one
+   async save (waited for at the block's end, so all its work is counted), alternated ABBA so
+   load drift hits both alike: tokens/s with a save every N steps vs none.
+
+The full benchmark is a GPT (gpt_tiny with d_model=512, d_mlp=2048: ~12.7M parameters, a
+~150 MB state with Adam's moments) on all devices along `data`; `quick` uses gpt_tiny (~10 MB)
+and a few steps. Writes OUT_DIR/checkpoint.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+FULL = {
+    "overrides": [
+        "model.d_model=512", "model.n_heads=8", "model.n_layers=4", "model.d_mlp=2048",
+        "data.global_batch=8",
+    ],
+    "saves": 5, "rounds": 4, "every": 5,
+}  # fmt: skip
+QUICK = {"overrides": ["data.global_batch=8"], "saves": 3, "rounds": 2, "every": 3}
+
+
+def _session(overrides: list[str], steps: int, run_dir: str):
+    from jaxpar import trainer
+    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.mesh import MeshSpec
+    from jaxpar.rules import Preset
+
+    cfg = apply_overrides(resolve_recipe("gpt_tiny"), [f"train.steps={steps}", *overrides])
+    return trainer.setup(cfg, Preset(MeshSpec.parse("")), run_dir, incarnation=0)
+
+
+def _checkpointer(run, use_async: bool):
+    from jaxpar.checkpoint import Checkpointer
+
+    return Checkpointer(run, every=0, keep=2, meta={"bench": True}, use_async=use_async)
+
+
+def _state_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def measure_blocking(s, state, saves: int) -> dict:
+    """Median seconds save() blocks, async vs sync; async also till committed."""
+    from jaxpar.checkpoint import warm_up
+    from jaxpar.metrics import RunDir
+
+    warm_up(s.program.abstract_state)
+    out: dict = {}
+    for mode in ("async", "sync", "async"):  # async twice: the first pass warms orbax up
+        run = RunDir(os.path.join(s.run.path, f"blocking-{mode}"), incarnation=0)
+        shutil.rmtree(run.file("checkpoints"), ignore_errors=True)
+        ckpt = _checkpointer(run, use_async=mode == "async")
+        blocked, committed = [], []
+        for i in range(saves):
+            t0 = time.time()
+            blocked.append(ckpt.save(i + 1, state))
+            ckpt.wait()
+            committed.append(time.time() - t0)
+        ckpt.close()
+        out[f"{mode}_blocking_s"] = statistics.median(blocked)
+        out[f"{mode}_commit_s"] = statistics.median(committed)
+    out["blocking_ratio"] = out["sync_blocking_s"] / max(out["async_blocking_s"], 1e-9)
+    return out
+
+
+def measure_throughput(s, state, rounds: int, every: int) -> tuple[dict, dict]:
+    """Tokens/s without saves vs with an async save every `every` steps.
+
+    Blocks of `every` steps, without and with one save (issued after the block's first step,
+    waited for at its end, so all of its work is counted in its block), in ABBA order over
+    `rounds` pairs: a machine whose speed drifts during the run hits both kinds alike.
+    """
+    from jaxpar import trainer
+    from jaxpar.metrics import RunDir
+
+    compiled, _ = trainer.compile_step(s)
+    one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
+    run = RunDir(os.path.join(s.run.path, "throughput"), incarnation=0)
+    shutil.rmtree(run.file("checkpoints"), ignore_errors=True)
+    ckpt = _checkpointer(run, use_async=True)
+    state, m = compiled(state, trainer.device_batch(s, 0), one)  # first call outside timing
+    jax.block_until_ready(m)
+    seconds = {"none": 0.0, "saves": 0.0}
+    step, saves = 1, 0
+    for r in range(rounds):
+        for kind in ("none", "saves") if r % 2 == 0 else ("saves", "none"):
+            t0 = time.time()
+            for i in range(every):
+                state, m = compiled(state, trainer.device_batch(s, step), one)
+                jax.device_get(m["loss"])  # the loop syncs on the loss every step
+                step += 1
+                if kind == "saves" and i == 0:
+                    ckpt.save(step, state)
+                    saves += 1
+            ckpt.wait()
+            seconds[kind] += time.time() - t0
+    ckpt.close()
+    tokens = rounds * every * s.cfg.data.global_batch * s.source.seq_len
+    rate = {k: tokens / v for k, v in seconds.items()}
+    result = {
+        "rounds": rounds,
+        "save_every": every,
+        "saves": saves,
+        "tokens_per_s_no_saves": rate["none"],
+        "tokens_per_s_with_saves": rate["saves"],
+        "throughput_cost": 1.0 - rate["saves"] / rate["none"],
+    }
+    return result, state
+
+
+def table(r: dict) -> str:
+    rows = [
+        ("state", f"{r['state_mb']:.1f} MB on {r['devices']} devices ({r['mesh']})"),
+        ("save() blocking, async (median)", f"{r['async_blocking_s'] * 1e3:.1f} ms"),
+        ("save() blocking, sync (median)", f"{r['sync_blocking_s'] * 1e3:.1f} ms"),
+        ("sync / async blocking", f"{r['blocking_ratio']:.1f}x"),
+        ("async save until committed (median)", f"{r['async_commit_s'] * 1e3:.1f} ms"),
+        ("tokens/s, no saves", f"{r['tokens_per_s_no_saves']:,.0f}"),
+        (
+            f"tokens/s, async save every {r['save_every']} steps",
+            f"{r['tokens_per_s_with_saves']:,.0f}",
+        ),
+        ("throughput cost of saving", f"{r['throughput_cost'] * 100:.1f}%"),
+    ]
+    lines = ["| checkpoint | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+def run(quick: bool, out_dir: str) -> dict:
+    """Run the checkpoint benchmark; print a markdown table, write OUT_DIR/checkpoint.json."""
+    plan = QUICK if quick else FULL
+    os.makedirs(out_dir, exist_ok=True)
+    work = os.path.join(out_dir, "checkpoint-bench")
+    s = _session(plan["overrides"], 2 * plan["rounds"] * plan["every"] + 1, work)
+    state = s.program.init()
+    jax.block_until_ready(state)
+    result = {
+        "quick": quick,
+        "overrides": plan["overrides"],
+        "state_mb": _state_bytes(state) / 2**20,
+        "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "mesh": ",".join(f"{k}={v}" for k, v in s.mesh.shape.items() if v > 1) or "1 device",
+    }
+    result.update(measure_blocking(s, state, plan["saves"]))
+    throughput, state = measure_throughput(s, state, plan["rounds"], plan["every"])
+    result.update(throughput)
+    shutil.rmtree(work, ignore_errors=True)  # checkpoints of a benchmark are not kept
+    if jax.process_index() == 0:
+        with open(os.path.join(out_dir, "checkpoint.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        print(table(result))
+    return result

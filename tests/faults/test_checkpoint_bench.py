@@ -1,0 +1,30 @@
+"""`jaxpar bench checkpoint --quick` runs end to end (in process, 8 devices) and reports.
+
+No assertion on timings (they belong to the benchmark, not the tests): only that every figure
+is measured, the table is printed and checkpoint.json written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxpar import bench_checkpoint
+
+
+@pytest.mark.slow
+def test_quick_checkpoint_bench_reports_blocking_and_throughput(tmp_path, capsys, devices8):
+    result = bench_checkpoint.run(quick=True, out_dir=str(tmp_path))
+    table = capsys.readouterr().out
+    assert "| sync / async blocking |" in table and "| throughput cost of saving |" in table
+    with open(tmp_path / "checkpoint.json") as f:
+        assert json.load(f) == json.loads(json.dumps(result))
+    assert result["devices"] == 8 and result["mesh"] == "data=8"
+    assert result["state_mb"] > 1
+    for key in ("async_blocking_s", "sync_blocking_s", "async_commit_s"):
+        assert result[key] > 0, key
+    plan = bench_checkpoint.QUICK
+    assert result["saves"] == plan["rounds"]
+    assert result["tokens_per_s_no_saves"] > 0 and result["tokens_per_s_with_saves"] > 0
+    assert not list(tmp_path.glob("checkpoint-bench"))  # its checkpoints are removed

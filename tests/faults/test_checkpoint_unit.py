@@ -1,0 +1,282 @@
+"""Checkpointer and fault harness pieces, in process on the 8 simulated devices (no training).
+
+python -m pytest tests/faults/test_checkpoint_unit.py
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.checkpoint import (
+    CORRUPT_SUFFIX,
+    TMP_SUFFIX,
+    Checkpointer,
+    CheckpointMismatch,
+    array_hash,
+    checksums,
+    replica_mismatches,
+)
+from jaxpar.faults import (
+    Faults,
+    FaultSpec,
+    array_data_files,
+    corrupt_newest,
+    parse_all,
+    perturb_local_replicas,
+    zstd_raw_blocks,
+)
+from jaxpar.mesh import make_mesh
+from jaxpar.metrics import RunDir
+
+
+def host_state(seed: int = 0) -> dict:
+    """A small training-state-like tree; `w` and `mu` are random bits, which zstd cannot
+    compress, so orbax stores them as raw blocks (a flipped byte there decodes silently)."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    noise = lambda key: np.array(jax.random.bits(key, (64, 32), np.uint32)).view(np.float32)  # noqa: E731
+    return {
+        "step": np.int32(seed),
+        "params": {
+            "w": noise(k[0]),
+            "b": np.array(jax.random.normal(k[1], (32,)), np.float32),
+            "e": np.array(jax.random.normal(k[2], (16, 8)), jnp.bfloat16),
+        },
+        "opt": {"mu": noise(k[3])},
+        "rng": np.asarray([seed, 7], np.uint32),
+    }
+
+
+SPECS = {"step": P(), "params": {"w": P("fsdp", "tensor"), "b": P(), "e": P(None, "tensor")},
+         "opt": {"mu": P("fsdp", "tensor")}, "rng": P()}  # fmt: skip
+
+
+def place(tree: dict, mesh) -> dict:
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, SPECS)
+
+
+def abstract(tree: dict, mesh) -> dict:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        tree,
+        SPECS,
+    )
+
+
+def host(tree) -> dict:
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def bits_equal(a: dict, b: dict) -> bool:
+    return all(
+        x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def checkpointer(tmp_path, config_hash="cfg-a", **kw) -> Checkpointer:
+    run = RunDir(str(tmp_path / "run"))
+    return Checkpointer(run, every=1, keep=5, meta={"config_hash": config_hash}, **kw)
+
+
+def events(tmp_path, name) -> list[dict]:
+    return [e for e in RunDir(str(tmp_path / "run")).events() if e["event"] == name]
+
+
+@pytest.fixture(scope="module")
+def meshes8(devices8):
+    return {
+        "dp8": make_mesh("data=8"),
+        "fsdp8": make_mesh("data=1,fsdp=8"),
+        "dp2_fsdp2_tp2": make_mesh("data=2,fsdp=2,tensor=2"),
+        "one": make_mesh("data=1", jax.devices()[:1]),
+    }
+
+
+# ---- checksums and the replica check ----------------------------------------------------------
+
+
+def test_checksums_are_the_same_on_every_layout(meshes8):
+    state = host_state()
+    want = {
+        jax.tree_util.keystr(p): int(array_hash(jnp.asarray(x)))
+        for p, x in jax.tree_util.tree_leaves_with_path(state)
+    }
+    for name, mesh in meshes8.items():
+        assert checksums(place(state, mesh)) == want, name
+    changed = host_state()
+    changed["params"]["w"].view(np.uint32)[3, 5] ^= 1  # one bit
+    got = checksums(place(changed, meshes8["dp2_fsdp2_tp2"]))
+    assert [k for k in want if got[k] != want[k]] == ["['params']['w']"]
+
+
+def test_replica_check_finds_a_perturbed_replica_only(meshes8):
+    mesh = meshes8["dp2_fsdp2_tp2"]
+    state = place(host_state(), mesh)
+    assert replica_mismatches(state, mesh) == []
+    state["params"] = perturb_local_replicas(state["params"])  # devices off data index 0
+    bad = replica_mismatches(state, mesh)
+    assert bad == ["['params']['b']", "['params']['e']", "['params']['w']"]
+    data_sharded = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("data")))
+    assert replica_mismatches({"x": data_sharded}, mesh) == []  # different by design
+    assert replica_mismatches(state, meshes8["fsdp8"]) == []  # no data replicas to compare
+
+
+# ---- save, restore, integrity ------------------------------------------------------------------
+
+
+def saved_twice(tmp_path, mesh) -> tuple[dict, dict]:
+    ckpt = checkpointer(tmp_path)
+    s1, s2 = host_state(1), host_state(2)
+    ckpt.save(1, place(s1, mesh))
+    ckpt.save(2, place(s2, mesh))
+    ckpt.close()
+    return s1, s2
+
+
+def test_resharded_restore_is_bitwise_and_keeps_target_shardings(tmp_path, meshes8):
+    _, s2 = saved_twice(tmp_path, meshes8["dp8"])
+    for name in ("fsdp8", "dp2_fsdp2_tp2", "one"):
+        target = abstract(s2, meshes8[name])
+        ckpt = checkpointer(tmp_path)
+        state, meta = ckpt.restore(target)
+        ckpt.close()
+        assert meta["step"] == 2 and meta["skipped"] == []
+        assert bits_equal(host(state), s2), name
+        for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+            assert x.sharding == t.sharding, name
+
+
+def test_flipped_byte_is_caught_by_checksums_and_falls_back(tmp_path, meshes8):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    ckpt_dir = str(tmp_path / "run" / "checkpoints")
+    target = array_data_files(f"{ckpt_dir}/2")[0]
+    with open(target, "rb") as f:
+        before = f.read()
+    assert zstd_raw_blocks(before)  # noise is stored verbatim inside its zstd frame
+    damaged = corrupt_newest(ckpt_dir)
+    with open(damaged, "rb") as f:
+        after = f.read()
+    assert damaged == target and len(after) == len(before) and after != before
+    ckpt = checkpointer(tmp_path)
+    state, meta = ckpt.restore(abstract(s1, mesh))
+    ckpt.close()
+    assert meta["step"] == 1 and meta["skipped"] == [2]
+    assert bits_equal(host(state), s1)
+    (bad,) = events(tmp_path, "checkpoint_corrupt")
+    assert (bad["step"], bad["reason"]) == (2, "checksum mismatch")
+    assert glob.glob(f"{ckpt_dir}/2{CORRUPT_SUFFIX}-*") and not os.path.exists(f"{ckpt_dir}/2")
+
+
+def test_truncated_file_is_a_read_error_and_falls_back(tmp_path, meshes8):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    corrupt_newest(str(tmp_path / "run" / "checkpoints"), mode="truncate")
+    ckpt = checkpointer(tmp_path)
+    state, meta = ckpt.restore(abstract(s1, mesh))
+    ckpt.close()
+    assert meta["step"] == 1 and bits_equal(host(state), s1)
+    (bad,) = events(tmp_path, "checkpoint_corrupt")
+    assert bad["step"] == 2 and bad["reason"].startswith(("read", "checksum")), bad
+
+
+def test_restore_which_config_refusal_and_force(tmp_path, meshes8):
+    mesh = meshes8["dp8"]
+    s1, s2 = saved_twice(tmp_path, mesh)
+    ckpt = checkpointer(tmp_path)
+    assert ckpt.restore(abstract(s1, mesh), which="none") is None
+    state, meta = ckpt.restore(abstract(s1, mesh), which="1")
+    assert meta["step"] == 1 and bits_equal(host(state), s1)
+    with pytest.raises(ValueError, match=r"ckpt.restore=5.*\[1, 2\]"):
+        ckpt.restore(abstract(s1, mesh), which="5")
+    ckpt.close()
+    other = checkpointer(tmp_path, config_hash="cfg-b")
+    with pytest.raises(CheckpointMismatch, match="ckpt.force=true"):
+        other.restore(abstract(s1, mesh))
+    state, meta = other.restore(abstract(s1, mesh), force=True)
+    other.close()
+    assert meta["step"] == 2 and bits_equal(host(state), s2)
+    (forced,) = events(tmp_path, "restore_forced")
+    assert (forced["from_config"], forced["to_config"]) == ("cfg-a", "cfg-b")
+
+
+def test_uncommitted_folder_is_ignored_and_logged(tmp_path, meshes8):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    tmp = tmp_path / "run" / "checkpoints" / f"3{TMP_SUFFIX}"
+    (tmp / "state").mkdir(parents=True)
+    ckpt = checkpointer(tmp_path)
+    state, meta = ckpt.restore(abstract(s1, mesh))
+    ckpt.close()
+    assert meta["step"] == 2
+    (ignored,) = events(tmp_path, "uncommitted_ignored")
+    assert ignored["dirs"] == [f"3{TMP_SUFFIX}"] and not tmp.exists()
+
+
+def test_commit_hook_sync_mode_and_replaced_step(tmp_path, meshes8):
+    mesh = meshes8["dp8"]
+    hooked = []
+    ckpt = checkpointer(tmp_path, use_async=False, before_commit=hooked.append)
+    ckpt.save(1, place(host_state(1), mesh))
+    assert hooked == [1] and os.path.isdir(tmp_path / "run" / "checkpoints" / "1")  # committed
+    ckpt.save(2, place(host_state(2), mesh))
+    ckpt.close()
+    assert hooked == [1, 2]
+    again = checkpointer(tmp_path)
+    again.restore(abstract(host_state(1), mesh), which="1")
+    again.save(2, place(host_state(3), mesh))  # a step left by an older timeline is replaced
+    again.close()
+    assert [e["step"] for e in events(tmp_path, "checkpoint_replaced")] == [2]
+    ends = events(tmp_path, "save_end")
+    assert [e["use_async"] for e in ends] == [False, False, True]
+
+
+def test_sigterm_sets_the_preemption_flag_when_alone(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = checkpointer(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) == ckpt._on_sigterm
+    assert not ckpt.reached_preemption(0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert ckpt.reached_preemption(1)
+    ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ---- fault specs -------------------------------------------------------------------------------
+
+
+def test_fault_specs_parse_and_reject(monkeypatch):
+    spec = FaultSpec.parse("slow@7:process=1:seconds=0.5")
+    assert (spec.kind, spec.step, spec.process, spec.seconds) == ("slow", 7, 1, 0.5)
+    assert FaultSpec.parse("kill@3:permanent:repeat").permanent
+    for bad in ("boom@3", "kill@x", "kill", "kill@3:when=now", "slow@3"):
+        with pytest.raises(ValueError, match="bad fault spec"):
+            FaultSpec.parse(bad)
+    monkeypatch.setenv("JAXPAR_FAULTS", "nan@4;kill@2")
+    assert [s.text for s in parse_all(["kill@2", "corrupt@9"])] == ["kill@2", "corrupt@9", "nan@4"]
+
+
+def test_faults_fire_once_per_run_dir_and_repeat_every_time(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    specs = parse_all(["nan@2", "nan@3:repeat", "diverge@2:process=1"])
+    first = Faults(specs, run, process_index=0)
+    assert first.poison(0) == 1.0 and math.isnan(first.poison(1)) and math.isnan(first.poison(2))
+    assert [s.kind for s in first.specs] == []  # diverge@2:process=1 is not process 0's
+    again = Faults(specs, RunDir(str(tmp_path / "run")), process_index=0)
+    assert again.poison(1) == 1.0 and math.isnan(again.poison(2))
+    fired = [e["spec"] for e in run.events() if e["event"] == "fault_injected"]
+    assert fired == ["nan@2", "nan@3:repeat", "nan@3:repeat"]
+    # nan poisons every process (the scalar is replicated); only process P logs it
+    other = Faults(parse_all(["nan@5:process=1"]), run, process_index=0)
+    assert math.isnan(other.poison(4))
+    assert len([e for e in run.events() if e["event"] == "fault_injected"]) == 3

@@ -9,7 +9,7 @@ import math
 
 import jax
 
-from jaxpar import collectives
+from jaxpar import collectives, pipeline
 from jaxpar.config import TrainConfig
 from jaxpar.rules import Preset
 from jaxpar.trainer import compile_step, setup
@@ -54,6 +54,32 @@ def _is_names(x) -> bool:
     return x is None or (isinstance(x, tuple) and all(isinstance(n, str | None) for n in x))
 
 
+def _comm_lines(s, step_colls) -> list[str]:
+    """Bytes over `data` per optimizer step for the communication options (comm.*)."""
+    data = ("data",)
+    per_step = collectives.total_wire_bytes(step_colls, data)
+    lines = ["", f"## gradient communication over `data` (comm.compress={s.cfg.comm.compress})"]
+    if s.program.sync_step is not None:
+        h = s.program.sync_every
+        sync = s.program.sync_step.lower(s.program.abstract_state).compile()
+        sync_colls = collectives.audit(sync, s.mesh)
+        sync_bytes = collectives.total_wire_bytes(sync_colls, data)
+        lines += [
+            f"DiLoCo sync step (every {h} steps):", "", collectives.format_audit(sync_colls), "",
+            f"bytes sent over `data` per step: {per_step:,} (inner) + {sync_bytes:,} / {h} (sync) "
+            f"= {per_step + sync_bytes / h:,.0f}",
+        ]  # fmt: skip
+        return lines
+    dtypes = sorted({c.dtype for c in step_colls if c.mesh_axes == data})
+    lines.append(f"bytes sent over `data` per step: {per_step:,} (collective dtypes: {dtypes})")
+    if s.cfg.comm.compress == "bf16" and "bf16" not in dtypes:
+        lines.append(
+            f"note: this backend ({jax.devices()[0].platform}) widened the bf16 collectives to "
+            f"{', '.join(dtypes)}: no bytes are saved here"
+        )
+    return lines
+
+
 def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) -> str:
     """The inspection report as markdown text."""
     s = setup(cfg, preset, run_dir)
@@ -82,4 +108,7 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
         colls = collectives.audit(compiled, s.mesh)
         out += ["", f"## collectives of the compiled train step (compiled in {seconds:.1f}s)", ""]
         out.append(collectives.format_audit(colls))
+        out += _comm_lines(s, colls)
+    if s.mesh.shape["pipeline"] > 1:
+        out += pipeline.inspect_lines(cfg, s.program, colls if audit else None)
     return "\n".join(out)

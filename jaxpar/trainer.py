@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -165,12 +164,49 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
     return ckpt
 
 
+def _layout_bound_target(s: Session, ckpt: Checkpointer) -> tuple[dict, int | None]:
+    """Restore target, adjusted for state whose shape depends on the data-axis size.
+
+    Error-feedback residuals ("comm", one per data replica) restore only onto the same data
+    size; onto another they are restored as saved and then reset to zero. DiLoCo's per-replica
+    parameters cannot be re-split: that restore is refused with a clear error.
+    Returns (target, data size of the checkpoint when it differs from this mesh's, else None).
+    """
+    target = s.program.abstract_state
+    bound = "comm" in target or s.program.sync_step is not None
+    steps = ckpt.committed_steps() if bound and s.cfg.ckpt.restore != "none" else []
+    if not steps:
+        return target, None
+    step = int(s.cfg.ckpt.restore) if s.cfg.ckpt.restore.isdigit() else steps[-1]
+    old = MeshSpec.parse(ckpt.read_meta(step)["mesh"]).data
+    if old == s.mesh.shape["data"]:
+        return target, None
+    if s.program.sync_step is not None:
+        raise ValueError(
+            f"this DiLoCo checkpoint holds {old} replicas but the mesh has data="
+            f"{s.mesh.shape['data']}; restore it with the same data-axis size"
+        )
+    replicated = NamedSharding(s.mesh, PartitionSpec())
+    comm = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((old, *x.shape[1:]), x.dtype, sharding=replicated),
+        target["comm"],
+    )
+    return {**target, "comm": comm}, old
+
+
 def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
     """The newest good checkpoint resharded onto this mesh, else a fresh sharded init."""
-    got = ckpt.restore(s.program.abstract_state, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
+    target, old_data = _layout_bound_target(s, ckpt)
+    got = ckpt.restore(target, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
     if got is None:
         return s.program.init()
     state, meta = got
+    if old_data is not None:  # residuals of another data size: start error feedback afresh
+        state["comm"] = jax.tree.map(
+            lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
+            s.program.abstract_state["comm"],
+        )
+        s.run.event("comm_state_reset", from_data=old_data, to_data=s.mesh.shape["data"])
     s.run.event(
         "restore", step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
         from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
@@ -234,19 +270,20 @@ def run(
         compiled, seconds = compile_step(s)
         s.run.event("compiled", seconds=seconds)
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
-        _loop(s, ckpt, inject, compiled, state, t_start, progress)
+        last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
     finally:
         ckpt.close()
         if s.tb:
             s.tb.close()
-    s.run.event("done", step=cfg.train.steps)
+    s.run.event("done", step=last, complete=last == cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
         write_json(s.run.file("summary.json"), summary)
     return summary
 
 
-def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
+def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
+    """Train from the state's step to cfg.train.steps; returns the last step completed."""
     cfg = s.cfg
     start = int(state["step"])
     show = cfg.log.progress if progress is None else progress
@@ -262,7 +299,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 raise Preempted(f"preempted at step {step}; saved")
-            return
+            return step
         inject.before_step(step)
         # `step` steps done, arrived at the next; before any cross-process sync, so a slow
         # process shows up late here (stragglers) and a hung one not at all.
@@ -292,6 +329,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> None:
             _save(s, ckpt, state, step + 1)
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
+    return max(start, cfg.train.steps)
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

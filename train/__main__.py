@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     import jax
 
-    if summary is not None and jax.process_index() == 0:
+    if summary is not None and summary.get("final_loss") is not None and jax.process_index() == 0:
         print(f"run directory: {os.path.abspath(run_dir)}")
         print(
             f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "

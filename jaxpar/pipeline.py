@@ -36,8 +36,11 @@ reverse with the inverse permutes: all forwards, then all backwards (GPipe).
                                             (p − 1)/(v·m + p − 1), one tick being 1/v as long.
 
 Collectives. The step is one `shard_map` manual over `pipeline` and `data` (tensor and fsdp stay
-automatic), so gradients are reduced once per step, not once per tick. XLA CPU aborts for a
-`shard_map` manual over `data` with both fsdp and tensor automatic; there `data` stays automatic.
+automatic), so gradients are reduced once per step, not once per tick. XLA CPU aborts the
+process partitioning a gather inside a shard_map whose fsdp and tensor axes are both automatic
+(spmd_partitioner_util "Check failed"); so the embedding runs outside the shard_map and the loss
+takes its targets with a one-hot product. A model whose blocks or head gather would meet that
+abort with fsdp > 1 and tensor > 1 on CPU.
 
 Dropout keys fold in the microbatch and the layer index: deterministic in (seed, step), but
 not the same random bits as the unpipelined model (whose parity tests run without dropout).
@@ -212,14 +215,9 @@ def to_layer_major(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(p * v * k, *a.shape[3:])
 
 
-def manual_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes the pipeline's shard_map is manual over.
-
-    `data` is manual (one gradient reduction per step) unless fsdp and tensor are both > 1:
-    XLA CPU aborts on a shard_map manual over `data` with both of those automatic.
-    """
-    unsafe = mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1
-    return ("data", AXIS) if mesh.shape["data"] > 1 and not unsafe else (AXIS,)
+# The pipeline's shard_map is manual over these; fsdp and tensor stay automatic. `data` is manual
+# so that gradients are reduced once per step, not once per tick (a size-1 axis costs nothing).
+MANUAL = ("data", AXIS)
 
 
 # ---- the schedule -------------------------------------------------------------------------------
@@ -240,14 +238,14 @@ def _run_stages(
 
     def apply_group(w_K, x_BTD, r, i):
         first = (r * p + stage) * k  # index of the group's first layer in the model
-
-        def layer(x_BTD, wj):
-            w, j = wj
-            block = _merge(parts.block_graphdef, parts.block_template, w)
+        # Unrolled (k is small): an inner while loop slicing the weights ran about 2x slower
+        # per layer on CPU than straight-line code.
+        for j in range(k):
+            block = _merge(parts.block_graphdef, parts.block_template,
+                           jax.tree.map(lambda a, j=j: a[j], w_K))  # fmt: skip
             kj = None if key is None else jax.random.fold_in(jax.random.fold_in(key, i), first + j)
-            return block(x_BTD, kj), None
-
-        return lax.scan(layer, x_BTD, (w_K, jnp.arange(k)))[0]
+            x_BTD = block(x_BTD, kj)
+        return x_BTD
 
     def tick(carry, t):
         recv_BTD, park_MBTD, out_MBTD = carry
@@ -318,39 +316,34 @@ def pipeline_grads(
     """
     parts = model_parts(graphdef, template)
     sched = make_schedule(cfg.pipeline, mesh.shape[AXIS], parts.num_layers)
-    check_batch(cfg, mesh, sched, task)
-    manual = manual_axes(mesh)
-    data_manual = "data" in manual
-    d = mesh.shape["data"] if data_manual else 1
-    p, v = sched.stages, sched.repeats
+    check_config(cfg, mesh, sched, task)
+    d, p, v = mesh.shape["data"], sched.stages, sched.repeats
 
     def local(rest, w_sm, x_BTD, targets_BT, key):
         # rest: embedding/head, replicated over stages; w_sm leaves [1, v, k, ...]: this stage;
         # x_BTD, targets_BT: this data replica's rows.
-        if data_manual:
-            key = jax.random.fold_in(key, lax.axis_index("data"))
+        key = jax.random.fold_in(key, lax.axis_index("data"))
         w_VK = jax.tree.map(lambda a: a[0], w_sm)
-        with activation_rules(mesh, act_rules, manual=manual):
+        with activation_rules(mesh, act_rules, manual=MANUAL):
             loss, (g_rest, g_VK, g_BTD) = jax.value_and_grad(
                 lambda r, w, x: _stage_loss(sched, parts, r, w, x, targets_BT, key),
                 argnums=(0, 1, 2),
             )(rest, w_VK, x_BTD)
         # The head got partial gradients on every stage and data replica; the input only on
         # stage 0. One reduction each per step, none inside the tick loop.
-        loss, g_rest = lax.psum((loss, g_rest), manual)
-        g_VK = lax.psum(g_VK, "data") if data_manual else g_VK
+        loss, g_rest = lax.psum((loss, g_rest), MANUAL)
+        g_VK = lax.psum(g_VK, "data")
         g_BTD = lax.psum(g_BTD, AXIS)
         loss, g_rest, g_VK, g_BTD = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK, g_BTD))
         return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK), g_BTD
 
-    rows = PartitionSpec("data") if data_manual else PartitionSpec()
-    stage = PartitionSpec(AXIS)
+    rows, stage = PartitionSpec("data"), PartitionSpec(AXIS)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), stage, rows, rows, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec(), stage, rows),
-        axis_names=set(manual),
+        axis_names=set(MANUAL),
         check_vma=False,
     )
 
@@ -375,7 +368,7 @@ def pipeline_grads(
     return grads_fn
 
 
-def check_batch(cfg: TrainConfig, mesh: Mesh, sched: Schedule, task: str) -> None:
+def check_config(cfg: TrainConfig, mesh: Mesh, sched: Schedule, task: str) -> None:
     """ValueErrors for batches and configs the pipeline cannot split."""
     if task != "lm":
         raise ValueError(
@@ -488,7 +481,7 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
     out = [
         "",
         f"## pipeline: {sched.kind}, p={p} stages, m={m} microbatches, v={sched.repeats} "
-        f"repeats; shard_map manual over {', '.join(manual_axes(mesh))}",
+        f"repeats; shard_map manual over {', '.join(MANUAL)}",
         "",
         f"tick count {sched.ticks} ({n // (p * sched.repeats)} layer(s) per stage per tick); "
         f"predicted bubble {sched.bubble:.1%} (GPipe (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%})",

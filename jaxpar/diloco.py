@@ -27,13 +27,14 @@ from jaxpar.rules import Rules, activation_rules
 from jaxpar.step import (
     Program,
     _accumulate,
-    _loss,
     _pure,
-    _to_state,
+    abstract_model,
     batch_shardings,
     check_batch,
+    finish_program,
+    make_eval_step,
     make_optimizer,
-    param_logical_axes,
+    make_value_and_grad,
     param_shardings,
 )
 
@@ -80,8 +81,7 @@ def build_program(
     n = _check(cfg, mesh)
     seed, m, h = cfg.train.seed, cfg.train.microbatches, cfg.comm.diloco_inner_steps
     check_batch(cfg.data.global_batch, m, mesh)
-    abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=seed)))
-    graphdef, template, _ = nnx.split(abs_model, nnx.Param, ...)
+    graphdef, template = abstract_model(cfg)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     outer_tx = outer_optimizer(cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -107,12 +107,7 @@ def build_program(
             "outer": outer_tx.init(params), "replicas": replicas, "rng": rng,
         }  # fmt: skip
 
-    def value_and_grad(params, batch, key):
-        def loss_fn(p):
-            return _loss(task, nnx.merge(graphdef, _to_state(template, p)), batch, key)
-
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
+    value_and_grad = make_value_and_grad(graphdef, template, task)
     inner = _inner_step(value_and_grad, tx, mesh, act_rules, m)
 
     def train_step(state, batch, poison):
@@ -129,28 +124,12 @@ def build_program(
         replicas = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), anchor)
         return {**state, "params": anchor, "outer": outer, "replicas": replicas}
 
-    def eval_step(state, batch):
-        with activation_rules(mesh, act_rules):
-            model = nnx.merge(graphdef, _to_state(template, state["params"]))
-            loss, aux = _loss(task, model, batch, None)
-        return {"loss": loss, **aux}
-
-    abs_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(init), state_sh,
-    )  # fmt: skip
-    return Program(
-        mesh=mesh, graphdef=graphdef, param_template=template, state_shardings=state_sh,
-        batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
-        init=jax.jit(init, out_shardings=state_sh),
-        train_step=jax.jit(
-            train_step, in_shardings=(state_sh, b_sh, replicated),
-            out_shardings=(state_sh, None), donate_argnums=0,
-        ),
-        eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
-        schedule=schedule, task=task,
-        sync_step=jax.jit(sync_step, in_shardings=(state_sh,), out_shardings=state_sh, donate_argnums=0),
-        sync_every=h,
+    sync = jax.jit(sync_step, in_shardings=(state_sh,), out_shardings=state_sh, donate_argnums=0)
+    # Metrics keep their leading replica dimension (sharded over `data`): no sharding forced.
+    return finish_program(
+        mesh, graphdef, template, state_sh, b_sh, init, train_step,
+        make_eval_step(graphdef, template, mesh, act_rules, task), schedule, task,
+        metrics_sharding=None, sync_step=sync, sync_every=h,
     )  # fmt: skip
 
 

@@ -194,10 +194,7 @@ def build_program(
 
         return diloco.build_program(cfg, mesh, param_rules, act_rules, batch_spec, task)
     seed = cfg.train.seed
-    abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=seed)))
-    graphdef, template, rest = nnx.split(abs_model, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("the model holds non-parameter state; jaxpar trains nnx.Param state only")
+    graphdef, template = abstract_model(cfg)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     replicated = NamedSharding(mesh, PartitionSpec())
     p_sh = param_shardings(template, param_rules, mesh)
@@ -227,12 +224,7 @@ def build_program(
             state["comm"] = jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)
         return state
 
-    def value_and_grad(params, batch, key):
-        def loss_fn(p):
-            return _loss(task, nnx.merge(graphdef, _to_state(template, p)), batch, key)
-
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
+    value_and_grad = make_value_and_grad(graphdef, template, task)
     grads_fn = (
         _manual_data_grads(value_and_grad, mesh, act_rules, m)
         if uses_manual_data(mesh, m)
@@ -267,36 +259,80 @@ def build_program(
             new["comm"] = comm
         return new, {**metrics, **aux}
 
+    return finish_program(
+        mesh, graphdef, template, state_sh, b_sh, init, train_step,
+        make_eval_step(graphdef, template, mesh, act_rules, task), schedule, task,
+        metrics_sharding=replicated,
+    )  # fmt: skip
+
+
+def abstract_model(cfg: TrainConfig) -> tuple[Any, nnx.State]:
+    """(graphdef, abstract parameter state) of the model, built under eval_shape."""
+    abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=cfg.train.seed)))
+    graphdef, template, rest = nnx.split(abs_model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("the model holds non-parameter state; jaxpar trains nnx.Param state only")
+    return graphdef, template
+
+
+def make_value_and_grad(graphdef, template: nnx.State, task: str) -> Callable:
+    """(params, batch, key) -> ((loss, aux), grads) of the model rebuilt from `params`."""
+
+    def value_and_grad(params, batch, key):
+        def loss_fn(p):
+            return _loss(task, nnx.merge(graphdef, _to_state(template, p)), batch, key)
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    return value_and_grad
+
+
+def make_eval_step(graphdef, template: nnx.State, mesh: Mesh, act_rules: Rules, task: str):
+    """(state, batch) -> {"loss", ...aux} on `state["params"]`, no dropout."""
+
     def eval_step(state, batch):
         with activation_rules(mesh, act_rules):
             model = nnx.merge(graphdef, _to_state(template, state["params"]))
             loss, aux = _loss(task, model, batch, None)
         return {"loss": loss, **aux}
 
+    return eval_step
+
+
+def finish_program(
+    mesh: Mesh,
+    graphdef,
+    template: nnx.State,
+    state_sh: dict,
+    b_sh: dict,
+    init: Callable,
+    train_step: Callable,
+    eval_step: Callable,
+    schedule: Callable,
+    task: str,
+    *,
+    metrics_sharding: NamedSharding | None,
+    sync_step: Callable | None = None,
+    sync_every: int = 0,
+) -> Program:
+    """The Program: abstract state from `init` and the shardings; init, train and eval jitted
+    (the train step donates its state)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
     abs_state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(init),
-        state_sh,
-    )
+        jax.eval_shape(init), state_sh,
+    )  # fmt: skip
     return Program(
-        mesh=mesh,
-        graphdef=graphdef,
-        param_template=template,
-        state_shardings=state_sh,
-        batch_shardings=b_sh,
-        abstract_state=abs_state,
-        param_logical=param_logical_axes(template),
+        mesh=mesh, graphdef=graphdef, param_template=template, state_shardings=state_sh,
+        batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
         init=jax.jit(init, out_shardings=state_sh),
         train_step=jax.jit(
-            train_step,
-            in_shardings=(state_sh, b_sh, replicated),
-            out_shardings=(state_sh, replicated),
-            donate_argnums=0,
+            train_step, in_shardings=(state_sh, b_sh, replicated),
+            out_shardings=(state_sh, metrics_sharding), donate_argnums=0,
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
-        schedule=schedule,
-        task=task,
-    )
+        schedule=schedule, task=task, sync_step=sync_step, sync_every=sync_every,
+    )  # fmt: skip
 
 
 def _manual_data_grads(value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m: int) -> Callable:

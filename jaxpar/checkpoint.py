@@ -34,9 +34,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
+from jaxpar import compile_cache
+from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
 from jaxpar.metrics import RunDir, write_json
 
-EXIT_PREEMPTED = 42  # worker saved at a preemption notice and left; the supervisor restarts free
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's uncommitted-step suffix
 CORRUPT_SUFFIX = ".corrupt"  # a damaged checkpoint is renamed aside, never deleted
 CHECKSUMS_FILE = "checksums.json"
@@ -137,7 +138,7 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
         out_specs=PartitionSpec(), check_vma=False,
     )  # fmt: skip
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-    return jax.jit(fn).lower(*abstract).compile()
+    return compile_cache.compile(jax.jit(fn).lower(*abstract), "checksum")[0]
 
 
 _PROGRAMS: dict = {}

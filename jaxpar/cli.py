@@ -105,6 +105,7 @@ def launch_options(args: argparse.Namespace):
         startup_timeout=args.startup_timeout, collective_timeout=args.collective_timeout,
         grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
         crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
+        spares=not args.no_spares,
     )  # fmt: skip
 
 
@@ -201,6 +202,12 @@ def _add_launch_parser(sub) -> None:
         default=[],
         metavar="SPEC",
         help="fault spec passed to the workers in JAXPAR_FAULTS (repeatable)",
+    )
+    la.add_argument(
+        "--no-spares",
+        action="store_true",
+        help="do not pre-start the next group's workers while a group trains (restarts then "
+        "pay Python and jax start-up again)",
     )
     la.add_argument("--nnodes", type=int, default=1, help="hosts, one agent each")
     la.add_argument("--node-rank", type=int, default=0, help="this agent's host index")

@@ -74,6 +74,8 @@ class CkptConfig:
 @dataclass(frozen=True)
 class RunConfig:
     max_wall_s: float = 0.0  # > 0: save and exit cleanly after this many seconds
+    # keep each process's compiled programs in RUN_DIR/compiled, so a restart skips compiling
+    compile_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ several hosts, the leader's command is the one every agent runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from typing import Any
 
 from jaxpar import goodput
 from jaxpar import launch as L
+from jaxpar import spare as spare_lib
 from jaxpar.metrics import append_line, read_jsonl, write_json
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -66,6 +68,8 @@ class Options:
     # SIGTERM -> SIGKILL. Short: a jax worker takes SIGTERM as a preemption notice and does not
     # exit, and a survivor blocked in a collective with a dead peer never returns (gloo).
     grace_s: float = 1.0
+    # pre-start the next group's workers (imports done) while a group trains: faster restarts
+    spares: bool = True
     preempt_grace_s: float = 120.0  # time for a coordinated preemption save
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 30.0
@@ -278,29 +282,93 @@ class LocalGroup:
         self.logs: dict[int, str] = {}
         self.reported: set[int] = set()
         self.attempt = -1  # which group these workers are (exits are tagged with it)
+        self.spec: dict | None = None
+        self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
+        self.spares_due = False  # start spares once this group is stepping
+        self.log_dir = os.path.join(self.opts.run_dir, "logs")
+
+    def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
+        return worker_env(
+            dict(os.environ), coordinator=spec["coordinator"], bind=spec["bind"],
+            nproc=spec["nproc"], process_id=pid, local_rank=local_rank,
+            devices_per_proc=self.opts.devices_per_proc, run_dir=self.opts.run_dir,
+            incarnation=spec["incarnation"], faults=spec.get("faults", self.opts.faults),
+            heartbeat_timeout=spec["collective_timeout"],
+            collective_timeout=spec["collective_timeout"],
+        )  # fmt: skip
 
     def start(self, spec: dict) -> None:
         self.procs, self.logs, self.reported = {}, {}, set()
         self.attempt = int(spec["attempt"])
-        log_dir = os.path.join(self.opts.run_dir, "logs")
-        os.makedirs(log_dir, exist_ok=True)
+        self.spec = spec
+        os.makedirs(self.log_dir, exist_ok=True)
         for local_rank, pid in enumerate(spec["process_ids"]):
-            env = worker_env(
-                dict(os.environ), coordinator=spec["coordinator"], bind=spec["bind"],
-                nproc=spec["nproc"], process_id=pid, local_rank=local_rank,
-                devices_per_proc=self.opts.devices_per_proc, run_dir=self.opts.run_dir,
-                incarnation=spec["incarnation"], faults=spec.get("faults", self.opts.faults),
-                heartbeat_timeout=spec["collective_timeout"],
-                collective_timeout=spec["collective_timeout"],
-            )  # fmt: skip
+            env = self._env(spec, pid, local_rank)
             name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
-            path = os.path.join(log_dir, name)
+            path = os.path.join(self.log_dir, name)
+            self.logs[pid] = path
+            spare = self.spares.pop(local_rank, None)
+            if spare is not None and self._hand_over(spare, env, spec["command"], path):
+                self.procs[pid] = spare
+                continue
             with open(path, "ab") as log:
                 self.procs[pid] = subprocess.Popen(
                     spec["command"], env=env, stdout=log, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
-            self.logs[pid] = path
+        self.release_spares()  # ranks this group does not use (after a shrink)
+        self.spares_due = self.opts.spares
+
+    # -- hot spares: the next group's workers, started while this one trains -----------------
+
+    def _hand_over(self, spare: subprocess.Popen, env: dict, command: list[str], log: str) -> bool:
+        """Give `spare` this worker's place (a spare still importing is ahead of a cold start
+        all the same); False if it is gone."""
+        if spare.poll() is not None or spare.stdin is None:
+            self._stop_spare(spare)
+            return False
+        try:
+            spare.stdin.write(
+                (json.dumps({"env": env, "argv": command, "log": log}) + "\n").encode()
+            )
+            spare.stdin.close()
+        except OSError:
+            return False
+        return True
+
+    def _maybe_start_spares(self) -> None:
+        """Once every local worker of this group has reached its training loop (its compile is
+        done), start one spare per local rank for the next group."""
+        if not self.spares_due or self.spec is None:
+            return
+        hb_dir = os.path.join(self.opts.run_dir, L.HEARTBEAT_DIR)
+        for pid in self.spec["process_ids"]:
+            rec = L.read_heartbeat(os.path.join(hb_dir, f"proc{pid}.json"))
+            if rec is None or rec.get("incarnation") != self.spec["incarnation"]:
+                return
+        self.spares_due = False
+        module = spare_lib.module_of(self.spec["command"])
+        if module is None:  # a spare can only run `python -m MOD` of this interpreter
+            return
+        for local_rank, pid in enumerate(self.spec["process_ids"]):
+            env = self._env(self.spec, pid, local_rank)
+            env["JAXPAR_SPARE_MODULE"] = module
+            path = os.path.join(self.log_dir, f"spare{local_rank}.log")
+            with open(path, "ab") as log:
+                self.spares[local_rank] = subprocess.Popen(
+                    [sys.executable, "-m", "jaxpar.spare"], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
+                )  # fmt: skip
+
+    def _stop_spare(self, spare: subprocess.Popen) -> None:
+        with contextlib.suppress(OSError):
+            spare.kill()
+        spare.wait(timeout=30)
+
+    def release_spares(self) -> None:
+        for spare in self.spares.values():
+            self._stop_spare(spare)  # nothing to save in a spare: no jax state yet
+        self.spares = {}
 
     def poll(self) -> list[tuple[int, int]]:
         """Exits not reported before: [(process id, return code)]."""
@@ -309,6 +377,7 @@ class LocalGroup:
             if pid not in self.reported and p.poll() is not None:
                 self.reported.add(pid)
                 out.append((pid, p.returncode))
+        self._maybe_start_spares()
         return out
 
     def alive(self) -> list[int]:
@@ -445,6 +514,7 @@ class LocalNode:
 
     def close(self, code: int) -> None:
         self.group.kill_all()
+        self.group.release_spares()
 
 
 class RemoteNode:
@@ -529,6 +599,7 @@ def run_follower(opts: Options) -> int:
                 chan.send({"exit": pid, "code": code, "attempt": group.attempt})
     finally:
         group.kill_all()
+        group.release_spares()
         chan.close()
 
 
@@ -913,7 +984,9 @@ class Supervisor:
             files = self._stack_files()
             self.event("stacks_dumped", process=out.process, files=files)
             say(f"stacks of every worker dumped to {', '.join(files) or '(none)'}")
-        grace = self.opts.grace_s if out.kind != "done" else 30.0
+        # A failed group's survivors cannot finish a collective without the lost peer (a SIGTERM
+        # would only start a preemption save that cannot complete): kill them at once.
+        grace = {"done": 30.0, "failure": 0.0}.get(out.kind, self.opts.grace_s)
         for node in reversed(self.nodes):  # remote agents first: they stop in parallel
             node.request_stop(grace)
         stopped = [node.wait_stopped() for node in self.nodes]

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, launch
+from jaxpar import __version__, compile_cache, launch
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
 from jaxpar.config import TrainConfig, config_hash, to_dict
@@ -111,7 +111,8 @@ def compile_step(s: Session):
         for k, v in spec.items()
     }
     poison = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(s.mesh, PartitionSpec()))
-    compiled = s.program.train_step.lower(s.program.abstract_state, abs_batch, poison).compile()
+    lowered = s.program.train_step.lower(s.program.abstract_state, abs_batch, poison)
+    compiled, _ = compile_cache.compile(lowered, "train_step")
     return compiled, time.time() - t0
 
 
@@ -258,17 +259,21 @@ def run(
     """
     t_start = time.time()
     env_inc = os.environ.get("JAXPAR_INCARNATION")
+    compile_cache.configure(os.path.join(run_dir, "compiled") if cfg.run.compile_cache else None)
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None)
     if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
         multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
-    s.run.event("start", nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))))
+    s.run.event(
+        "start", nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))),
+        warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
+    )  # fmt: skip
     inject = Faults(parse_faults(list(faults)), s.run, jax.process_index())
     ckpt = _checkpointer(s, inject)
     try:
         state = restore_or_init(s, ckpt)
         compiled, seconds = compile_step(s)
-        s.run.event("compiled", seconds=seconds)
+        s.run.event("compiled", seconds=seconds, **compile_cache.stats())
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
     finally:

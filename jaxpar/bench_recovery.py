@@ -1,0 +1,242 @@
+"""`jaxpar bench recovery`: how long a restart takes, and how much work survives repeated failures.
+
+    jaxpar bench recovery [--quick] [--recipe gpt_tiny]
+
+Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices, real SIGKILLs:
+
+1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
+   faults, each restarting the group from the newest checkpoint; the goodput ledger splits each
+   incident into detect / stop / restart / init / restore / compile / first step (DESIGN.md's
+   definitions). Run side by side in one benchmark: jaxpar's restart path (pre-started spare
+   workers + each process's compiled programs kept in the run directory) and a cold restart
+   (`--no-spares`, `--set run.compile_cache=false`). Medians over the incidents, and their ratio.
+2. Goodput under failures every T seconds: the same job for a fixed wall time while the
+   benchmark SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then
+   stops it with SIGTERM (the preemption path: save and exit). Goodput = productive step time /
+   wall time (summary.json); `goodput_steady` leaves out the job's first start-up and compile,
+   which a long job pays once.
+
+Writes OUT_DIR/recovery.json and prints markdown tables. Timings depend on the machine's load:
+compare the two restart paths measured in the same run, not figures from different runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from jaxpar.goodput import ledger_of
+from jaxpar.metrics import read_jsonl
+
+NPROC, DEVICES = 4, 2
+PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s", "first_step_s")
+# gpt_tiny made smaller for the quick version (each cold incarnation compiles in seconds).
+SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
+FULL = {"kills": (8, 14, 20, 26), "steps": 30, "every": 5, "periods": (30.0, 60.0), "cycles": 4}
+QUICK = {"kills": (6, 10), "steps": 12, "every": 3, "periods": (20.0,), "cycles": 2}
+MODES = {"jaxpar": ([], []), "cold": (["--no-spares"], ["run.compile_cache=false"])}
+
+
+def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "train", "--recipe", recipe, "--steps", str(steps)]
+    cmd += ["--no-progress", "--set", f"ckpt.every={every}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+    env.pop("XLA_FLAGS", None)  # the supervisor gives each worker its devices and threads
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    return env
+
+
+class _Job:
+    """`jaxpar launch` in the background, in its own session (killed whole on exit)."""
+
+    def __init__(self, run_dir: str, args: list[str], command: list[str]):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.log = open(os.path.join(run_dir, "launch.log"), "wb")
+        cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", run_dir]
+        cmd += ["--nproc", str(NPROC), "--devices-per-proc", str(DEVICES), *args, "--", *command]
+        self.proc = subprocess.Popen(
+            cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"jaxpar launch did not finish in {timeout:.0f}s") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+        self.log.close()
+
+    def summary(self) -> dict:
+        with open(os.path.join(self.run_dir, "summary.json")) as f:
+            return json.load(f)
+
+    def stepping(self) -> bool:
+        return any("loss" in m for m in read_jsonl(os.path.join(self.run_dir, "metrics.jsonl")))
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the current group's workers, from their progress heartbeats."""
+        hb = os.path.join(self.run_dir, "heartbeats")
+        events = read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+        inc = max((e["incarnation"] for e in events if e.get("event") == "start"), default=None)
+        pids = []
+        for name in sorted(os.listdir(hb)) if os.path.isdir(hb) else []:
+            try:
+                with open(os.path.join(hb, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if rec.get("incarnation") == inc:
+                pids.append(int(rec["pid"]))
+        return pids
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root: str) -> dict:
+    """One job with len(p["kills"]) injected SIGKILLs; medians of the ledger's phases."""
+    launch_args, extra = MODES[mode]
+    faults = []
+    for i, step in enumerate(p["kills"]):
+        faults += ["--fault", f"kill@{step}:process={1 + i % (NPROC - 1)}"]
+    run_dir = os.path.join(root, f"recovery-{mode}")
+    job = _Job(run_dir, [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)],
+               _command(recipe, p["steps"], p["every"], overrides + extra))  # fmt: skip
+    code = job.wait(timeout=3600)
+    incidents = ledger_of(run_dir)
+    out = {
+        "mode": mode,
+        "exit_code": code,
+        "incidents": len(incidents),
+        "recovery_s": _median([i["recovery_s"] for i in incidents]),
+        "recoveries_s": [i["recovery_s"] for i in incidents],
+    }
+    for phase in PHASES:
+        out[phase] = _median([i[phase] for i in incidents])
+    return out
+
+
+def measure_goodput(period: float, cycles: int, recipe: str, overrides: list[str], root: str):
+    """The job for `cycles` failure periods after its first step, a SIGKILL every `period` s."""
+    run_dir = os.path.join(root, f"goodput-{int(period)}s")
+    job = _Job(run_dir, ["--max-restarts", str(cycles + 2)],
+               _command(recipe, 1_000_000, 10, overrides))  # fmt: skip
+    rng = random.Random(0)
+    kills = 0
+    try:
+        deadline = time.time() + 1800
+        while not job.stepping():
+            if job.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"goodput job ended before its first step (see {run_dir})")
+            time.sleep(0.2)
+        t_first = time.time()
+        for _ in range(cycles):
+            time.sleep(period)
+            pids = job.worker_pids()
+            while not pids and job.proc.poll() is None:  # a group starting: kill it once it runs
+                time.sleep(0.2)
+                pids = job.worker_pids()
+            if job.proc.poll() is None:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                kills += 1
+        os.kill(job.proc.pid, signal.SIGTERM)  # preemption notice: workers save and exit
+        job.wait(timeout=600)
+    finally:
+        job.close()
+    s = job.summary()
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    t_launch = next(e["time"] for e in events if e.get("event") == "launch")
+    startup = t_first - t_launch
+    productive = (s["goodput"] or 0.0) * s["wall_s"]
+    return {
+        "period_s": period,
+        "kills": kills,
+        "wall_s": s["wall_s"],
+        "steps": s["steps"],
+        "restarts": s["restarts"],
+        "goodput": s["goodput"],
+        "goodput_steady": productive / max(s["wall_s"] - startup, 1e-9),
+        "first_startup_s": startup,
+        "mttr_s": s.get("mttr_s"),
+        "lost_steps": s["lost_steps"],
+    }
+
+
+def _table(rec: list[dict], good: list[dict]) -> str:
+    def f(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = ["| restart path | incidents | recovery s (median) | "
+             + " | ".join(p.removesuffix("_s") for p in PHASES) + " |",
+             "|---|---:|---:|" + "---:|" * len(PHASES)]  # fmt: skip
+    for r in rec:
+        lines.append(f"| {r['mode']} | {r['incidents']} | {f(r['recovery_s'])} | "
+                     + " | ".join(f(r[p]) for p in PHASES) + " |")  # fmt: skip
+    lines += ["", "| failure every | kills | wall s | goodput | goodput after first start | mttr s |",
+              "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for g in good:
+        lines.append(f"| {g['period_s']:.0f} s | {g['kills']} | {g['wall_s']:.0f} | "
+                     f"{g['goodput']:.1%} | {g['goodput_steady']:.1%} | {f(g['mttr_s'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_tiny",
+        overrides: list[str] | None = None) -> dict:  # fmt: skip
+    p = QUICK if quick else FULL
+    overrides = list(overrides or []) + (SMALL if quick else [])
+    root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
+    try:
+        rec = [measure_recovery(m, recipe, p, overrides, root) for m in ("cold", "jaxpar")]
+        good = [measure_goodput(t, p["cycles"], recipe, overrides, root) for t in p["periods"]]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cold, fast = rec
+    ratio = (
+        (cold["recovery_s"] / fast["recovery_s"])
+        if cold["recovery_s"] and fast["recovery_s"]
+        else None
+    )
+    result = {
+        "suite": "recovery",
+        "quick": quick,
+        "recipe": recipe,
+        "overrides": overrides,
+        "nproc": NPROC,
+        "devices_per_proc": DEVICES,
+        "recovery": rec,
+        "recovery_s": fast["recovery_s"],
+        "cold_over_jaxpar": ratio,
+        "goodput": good,
+    }
+    print(_table(rec, good))
+    if ratio:
+        print(f"\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache, "
+              f"{cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "recovery.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,132 @@
+"""Compiled programs kept on disk, one file per process, so a restarted group skips compilation.
+
+    compile_cache.configure(os.path.join(run_dir, "compiled"))   # once per process
+    compiled, hit = compile_cache.compile(jitted.lower(*abstract_args), "train_step")
+
+jax's own persistent compilation cache cannot serve a multi-process CPU job: its key hashes the
+process's local device topology, so each process has its own key, and jax writes entries from
+process 0 only — after a restart processes 1..N-1 compile again, and the first step waits for
+the slowest of them. Here every process writes its own executable
+(`jax.experimental.serialize_executable`), keyed by a hash of everything the binary depends on:
+the lowered program text, the jax/jaxlib/backend versions, XLA_FLAGS, and the global device
+assignment with this process's index. A file that cannot be read or loaded is removed and the
+program compiled again; a cache miss costs one serialisation (~0.2 s for gpt_tiny).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import jax
+
+_state: dict[str, Any] = {"dir": None, "stats": {"hits": 0, "misses": 0, "load_s": 0.0}}
+KEEP = 32  # newest entries kept per directory (other layouts after a shrink add entries)
+
+
+def configure(directory: str | None) -> None:
+    """Cache compiled programs under `directory` (None: off). Call before compiling."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    _state["dir"] = directory
+
+
+def directory() -> str | None:
+    return _state["dir"]
+
+
+def stats() -> dict[str, Any]:
+    """Hits, misses and seconds spent loading, for this process since it started."""
+    return dict(_state["stats"])
+
+
+def _key(lowered: jax.stages.Lowered) -> str:
+    from jax.extend import backend as jex_backend
+
+    h = hashlib.sha256()
+    backend = jex_backend.get_backend()
+    devices = [(d.id, d.process_index, d.device_kind) for d in jax.devices()]
+    for part in (
+        lowered.as_text(),
+        jax.__version__,
+        getattr(jax.lib, "__version__", ""),
+        backend.platform,
+        backend.platform_version,
+        os.environ.get("XLA_FLAGS", ""),
+        repr(devices),
+        repr((jax.process_index(), jax.process_count())),
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def _path(name: str, key: str) -> str:
+    return os.path.join(_state["dir"], f"{name}-{key}-p{jax.process_index()}.bin")
+
+
+def _load(path: str):
+    from jax.experimental import serialize_executable
+
+    with open(path, "rb") as f:
+        blob, in_tree, out_tree = pickle.load(f)
+    return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+
+
+def _store(path: str, compiled) -> None:
+    from jax.experimental import serialize_executable
+
+    blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((blob, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)  # readers see a whole file or none
+    _prune(os.path.dirname(path))
+
+
+def _prune(directory: str) -> None:
+    mine = f"-p{jax.process_index()}.bin"
+    entries = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(mine)]
+    if len(entries) <= KEEP:
+        return
+    entries.sort(key=os.path.getmtime)
+    for old in entries[:-KEEP]:
+        with contextlib.suppress(OSError):
+            os.remove(old)
+
+
+def compile(lowered: jax.stages.Lowered, name: str):  # noqa: A001 - mirrors Lowered.compile
+    """`lowered.compile()`, served from and written to the cache when one is configured.
+
+    Returns (compiled, hit). Serialising needs a compiled program with no host callbacks; one
+    that cannot be serialised is simply not cached.
+    """
+    if not _state["dir"]:
+        return lowered.compile(), False
+    path = _path(name, _key(lowered))
+    if os.path.exists(path):
+        t0 = time.time()
+        try:
+            compiled = _load(path)
+        except Exception as e:  # a torn, stale or foreign file: compile afresh
+            warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=2)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        else:
+            os.utime(path)  # recently used: kept by _prune
+            _state["stats"]["hits"] += 1
+            _state["stats"]["load_s"] += time.time() - t0
+            return compiled, True
+    compiled = lowered.compile()
+    _state["stats"]["misses"] += 1
+    try:
+        _store(path, compiled)
+    except Exception as e:  # e.g. host callbacks, a full disk: run uncached
+        warnings.warn(f"compile cache: not caching {name} ({type(e).__name__}: {e})", stacklevel=2)
+    return compiled, False

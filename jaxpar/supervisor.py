@@ -284,7 +284,8 @@ class LocalGroup:
         self.attempt = -1  # which group these workers are (exits are tagged with it)
         self.spec: dict | None = None
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
-        self.spares_due = False  # start spares once this group is stepping
+        self.spares_due = False  # start spares once this group has started
+        self.events: EventTail | None = None
         self.log_dir = os.path.join(self.opts.run_dir, "logs")
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
@@ -318,6 +319,7 @@ class LocalGroup:
                 )  # fmt: skip
         self.release_spares()  # ranks this group does not use (after a shrink)
         self.spares_due = self.opts.spares
+        self.events = EventTail(os.path.join(self.opts.run_dir, "events.jsonl"))  # from now
 
     # -- hot spares: the next group's workers, started while this one trains -----------------
 
@@ -337,15 +339,15 @@ class LocalGroup:
         return True
 
     def _maybe_start_spares(self) -> None:
-        """Once every local worker of this group has reached its training loop (its compile is
-        done), start one spare per local rank for the next group."""
-        if not self.spares_due or self.spec is None:
+        """Once this group has started (its `start` event: every worker has imported, joined
+        jax.distributed and built its program), start one spare per local rank for the next
+        group — so spares do not compete with the group's own start-up, yet are ready early."""
+        if not self.spares_due or self.spec is None or self.events is None:
             return
-        hb_dir = os.path.join(self.opts.run_dir, L.HEARTBEAT_DIR)
-        for pid in self.spec["process_ids"]:
-            rec = L.read_heartbeat(os.path.join(hb_dir, f"proc{pid}.json"))
-            if rec is None or rec.get("incarnation") != self.spec["incarnation"]:
-                return
+        inc = self.spec["incarnation"]
+        if not any(e.get("event") == "start" and e.get("incarnation") == inc
+                   for e in self.events.read()):  # fmt: skip
+            return
         self.spares_due = False
         module = spare_lib.module_of(self.spec["command"])
         if module is None:  # a spare can only run `python -m MOD` of this interpreter

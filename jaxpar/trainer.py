@@ -8,6 +8,7 @@ Used by `python -m train` and by tests that build a config in Python and call `r
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -270,13 +271,18 @@ def run(
     )  # fmt: skip
     inject = Faults(parse_faults(list(faults)), s.run, jax.process_index())
     ckpt = _checkpointer(s, inject)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
     try:
+        # Trace, lower and compile (or load) the step while the checkpoint is read: both only
+        # need the abstract state, and orbax's reads release the GIL.
+        step_program = pool.submit(compile_step, s)
         state = restore_or_init(s, ckpt)
-        compiled, seconds = compile_step(s)
+        compiled, seconds = step_program.result()
         s.run.event("compiled", seconds=seconds, **compile_cache.stats())
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
     finally:
+        pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
         ckpt.close()
         if s.tb:
             s.tb.close()

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.launch import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
 from jaxpar.metrics import RunDir
 
 KINDS = ("kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow")
-EXIT_NAN = 44  # non-finite loss: the supervisor rolls back to the last good checkpoint
 
 
 class NonFiniteLoss(RuntimeError):

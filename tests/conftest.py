@@ -6,7 +6,8 @@ subprocess and end-to-end tests. A test needing another device count calls
 `rerun_with_devices(request, n)`, which re-runs that one test in a subprocess.
 
 Every test checks (autouse fixture) that the process has exactly the devices it expects, so a
-multi-device test can never silently run on one device.
+multi-device test can never silently run on one device. Command lines run as subprocesses through
+tests/helpers.py, which share one persistent compilation cache per pytest session.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from jaxpar import step as step_lib
 from jaxpar.config import TrainConfig, resolve_recipe
 from jaxpar.mesh import make_mesh
 from jaxpar.rules import Preset
+from tests import helpers
 
 PARITY_STEPS = 5
 
@@ -66,6 +68,13 @@ def _device_count():
         f"tests expect {DEVICES} devices, jax sees {got}: XLA_FLAGS must be set before jax starts "
         f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})"
     )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _subprocess_compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the session's subprocesses (tests.helpers.cpu_env);
+    a child pytest (rerun_with_devices) keeps its parent's."""
+    os.environ.setdefault(helpers.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
 
 
 @pytest.fixture(scope="session")
@@ -218,8 +227,8 @@ def jp():
 
     return types.SimpleNamespace(
         recipe=recipe, preset=preset, build=build, device_batch=device_batch,
-        compile_train_step=compile_train_step, compile_layout=compile_layout,
-        max_rel=max_rel, max_abs_tree=max_abs_tree, REPO=REPO,
+        compile_train_step=compile_train_step, compile_layout=compile_layout, train=train,
+        first_step_grads=first_step_grads, max_rel=max_rel, max_abs_tree=max_abs_tree, REPO=REPO,
     )  # fmt: skip
 
 
@@ -298,3 +307,20 @@ def rerun_with_devices(request: pytest.FixtureRequest, devices: int, timeout: fl
 def rerun(request):
     """rerun(n): see rerun_with_devices."""
     return lambda devices, timeout=300: rerun_with_devices(request, devices, timeout)
+
+
+# ---- subprocess runs (tests/helpers.py) ---------------------------------------------------------
+
+CKPT_STEPS, CKPT_EVERY = 30, 10
+
+
+@pytest.fixture(scope="session")
+def ckpt_reference(tmp_path_factory):
+    """An uninterrupted `python -m train` run dir: gpt_tiny, 30 steps, a save every 10, 8 devices.
+
+    The reference of the checkpoint-fault and reshard tests, which copy it or compare with it.
+    """
+    run_dir = tmp_path_factory.mktemp("ckpt-reference") / "run"
+    every = f"ckpt.every={CKPT_EVERY}"
+    helpers.ok(helpers.run(helpers.train_cmd(run_dir, "--set", every, steps=CKPT_STEPS)))
+    return run_dir

@@ -1,4 +1,4 @@
-"""`jaxpar bench overhead|meshes --quick` run as subprocesses and write SUITE.json of the documented
+"""`jaxpar bench overhead|meshes|pipeline --quick` run as subprocesses and write SUITE.json of the documented
 shape (timings are not asserted: tests never assert on wall-clock time)."""
 
 from __future__ import annotations
@@ -6,34 +6,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false "
-    "intra_op_parallelism_threads=1",
-}
+from tests.helpers import ok, run
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def bench(suite: str, out: str, timeout: float = 900) -> dict:
-    """`jaxpar bench SUITE --quick --out OUT` in its own process group; returns SUITE.json."""
+    """`jaxpar bench SUITE --quick --out OUT` on 8 simulated devices; returns SUITE.json."""
     args = [sys.executable, "-m", "jaxpar.cli", "bench", suite, "--quick", "--out", out]
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        raise AssertionError(f"bench {suite} timed out after {timeout}s:\n{text[-4000:]}") from None
-    assert proc.returncode == 0, text[-4000:]
+    text = ok(run(args, timeout=timeout, merge=True)).stdout
     assert "|---" in text  # the markdown table is printed
     with open(os.path.join(out, f"{suite}.json")) as f:
         return json.load(f)
@@ -68,3 +53,23 @@ def test_bench_meshes_quick(tmp_path):
     one = next(row for row in r["layouts"] if row["devices"] == 1)
     assert one["collective_bytes"] == 0  # one device: nothing to communicate
     assert all(row["collective_bytes"] > 0 for row in r["layouts"] if row["devices"] > 1)
+
+
+@pytest.mark.slow
+def test_bench_pipeline_quick(tmp_path):
+    r = bench("pipeline", str(tmp_path))
+    rows = r["rows"]
+    assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
+        (2, m, s) for m in (1, 2, 4) for s in ("gpipe", "circular")
+    }
+    for row in rows:
+        assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
+        assert row["ticks"] >= row["m"] + row["p"] - 1
+        assert 0 < row["bubble_predicted"] < 1 and math.isfinite(row["bubble_measured"])
+    gpipe = [row for row in rows if row["schedule"] == "gpipe"]
+    assert all(
+        row["bubble_predicted"] == pytest.approx(row["bubble_gpipe_formula"]) for row in gpipe
+    )
+    assert {(f["p"], f["schedule"]) for f in r["fits"]} == {(2, "gpipe"), (2, "circular")}
+    blob = (tmp_path / "pipeline.png").read_bytes()  # measured vs predicted bubble, per p
+    assert blob[:8] == PNG and len(blob) > 10_000

@@ -26,8 +26,8 @@ def test_notebook_is_stored_without_outputs():
 def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("JAXPAR_DEMO_STEPS", "4")
-    monkeypatch.setenv("JAXPAR_DEMO_RECOVERY_STEPS", "12")  # checkpoint every 4, kill at 10
+    monkeypatch.setenv("JAXPAR_DEMO_STEPS", "2")  # gpt_small: compile, 2 steps, a loss plot
+    monkeypatch.setenv("JAXPAR_DEMO_RECOVERY_STEPS", "6")  # checkpoint every 2, kill at 5
     monkeypatch.setenv("JAXPAR_DEMO_AUDIT", "0")
     monkeypatch.setenv("JAXPAR_DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -50,7 +50,7 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     starts = [e for e in events if e["event"] == "start"]
     assert len(starts) == 2, [e["event"] for e in events]
     assert any(e["event"] == "fault_injected" for e in events)
-    assert any(e["event"] == "restore" and e["step"] == 8 for e in events)
+    assert any(e["event"] == "restore" and e["step"] == 4 for e in events)
     report = (rec / "report" / "report.md").read_text()
     assert "restart" in report
     for name in ("loss.png", "goodput.png", "step_time.png"):

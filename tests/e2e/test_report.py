@@ -6,36 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 
 from jaxpar import report
 from jaxpar.metrics import append_line, last_per_step, read_jsonl, read_tensorboard
+from tests import helpers
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false "
-    "intra_op_parallelism_threads=1",
-}
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def run_cmd(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `args` in the checkout in its own process group; the whole group dies on timeout."""
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{args} timed out after {timeout}s:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
 
 
 # ---- synthetic run directories (fast) -----------------------------------------------------------
@@ -151,17 +130,16 @@ def test_report_rejects_a_directory_that_is_not_a_run(tmp_path):
 def test_report_of_a_real_run_with_a_restart(tmp_path):
     run = str(tmp_path / "run")
     # synchronous saves: step 5 is committed before the kill at step 8, so the rerun restores it
-    train = [
-        sys.executable, "-m", "train", "--recipe", "digits_mlp", "--steps", "12", "--run-dir", run,
-        "--no-progress", "--set", "ckpt.every=5", "--set", "ckpt.use_async=false",
-        "--set", "train.eval_every=6", "--set", "log.tensorboard=true", "--fault", "kill@8",
-    ]  # fmt: skip
-    first = run_cmd(train)
+    train = helpers.train_cmd(
+        run, "--recipe", "digits_mlp", "--set", "ckpt.every=5", "--set", "ckpt.use_async=false",
+        "--set", "train.eval_every=6", "--set", "log.tensorboard=true", steps=12, faults=["kill@8"],
+    )  # fmt: skip
+    first = helpers.run(train, merge=True)
     assert first.returncode == -signal.SIGKILL, first.stdout[-4000:]
-    second = run_cmd(train)
+    second = helpers.run(train, merge=True)
     assert second.returncode == 0, second.stdout[-4000:]
 
-    rep = run_cmd([sys.executable, "-m", "jaxpar.cli", "report", run], timeout=300)
+    rep = helpers.run([sys.executable, "-m", "jaxpar.cli", "report", run], timeout=300, merge=True)
     assert rep.returncode == 0, rep.stdout[-4000:]
     md_path = os.path.join(run, "report", "report.md")
     assert rep.stdout.strip().endswith(md_path)

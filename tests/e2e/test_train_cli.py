@@ -10,41 +10,15 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import ok, run, train_cmd
+
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT_S = 300
-
-
-def run(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run a command in the checkout (own process group, killed whole on timeout)."""
-    env = dict(os.environ)  # conftest's XLA_FLAGS: 8 simulated devices
-    for var in ("JAXPAR_COORDINATOR", "JAXPAR_SUPERVISED", "JAXPAR_FAULTS"):
-        env.pop(var, None)
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{args} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, (
-        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc
+TIMEOUT_S = 300  # each command; on 8 simulated devices (tests.helpers.cpu_env)
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -55,8 +29,7 @@ def _jsonl(path: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("gpt_tiny") / "run")
-    args = ["--steps", "12", "--run-dir", run_dir, "--set", "train.eval_every=6", "--no-progress"]
-    proc = _ok(run([sys.executable, "-m", "train", *args]))
+    proc = ok(run(train_cmd(run_dir, "--set", "train.eval_every=6", steps=12), timeout=TIMEOUT_S))
     return run_dir, proc
 
 
@@ -140,8 +113,8 @@ def test_events_incarnation_and_summary(gpt_run):
 
 def test_digits_mlp_on_dp2_tp4(tmp_path):
     run_dir = str(tmp_path / "run")
-    args = ["--recipe", "digits_mlp", "--mesh", "dp2_tp4", "--steps", "5", "--run-dir", run_dir]
-    proc = _ok(run([sys.executable, "-m", "train", *args, "--no-progress"]))
+    cmd = train_cmd(run_dir, "--recipe", "digits_mlp", "--mesh", "dp2_tp4", steps=5)
+    proc = ok(run(cmd, timeout=TIMEOUT_S))
     assert "after 5 steps" in proc.stdout
     lines = [x for x in _jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in x]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
@@ -154,7 +127,8 @@ def test_digits_mlp_on_dp2_tp4(tmp_path):
 def test_inspect_prints_specs_and_the_tensor_all_reduces():
     exe = shutil.which("jaxpar")
     cmd = [exe] if exe else [sys.executable, "-m", "jaxpar.cli"]
-    out = _ok(run([*cmd, "inspect", "--recipe", "gpt_tiny", "--mesh", "dp2_tp4"])).stdout
+    cmd += ["inspect", "--recipe", "gpt_tiny", "--mesh", "dp2_tp4"]
+    out = ok(run(cmd, timeout=TIMEOUT_S)).stdout
     assert "PartitionSpec" in out
     rows = [line for line in out.splitlines() if line.startswith("| ['blocks']['w_in']")]
     assert len(rows) == 1 and "(None, None, 'tensor')" in rows[0], rows
@@ -171,7 +145,7 @@ def test_inspect_prints_specs_and_the_tensor_all_reduces():
 )
 def test_user_errors_exit_nonzero_with_the_message(args, message, tmp_path):
     cmd = [sys.executable, "-m", "train", *args, "--steps", "1", "--run-dir", str(tmp_path / "r")]
-    proc = run(cmd)
+    proc = run(cmd, timeout=TIMEOUT_S)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

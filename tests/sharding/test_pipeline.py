@@ -17,11 +17,8 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import pipeline
 from jaxpar.config import OptimConfig, PipelineConfig, TrainConfig
@@ -60,19 +57,8 @@ class Result:
 def train(jp, cfg: TrainConfig, layout: str) -> Result:
     """cfg.train.steps steps of the compiled train step (the pipeline's, where pipeline > 1)."""
     c = jp.compile_layout(cfg, layout)
-    b = c.built
-    state = b.program.init()
-    poison = jax.device_put(np.float32(1.0), NamedSharding(b.mesh, PartitionSpec()))
-    losses, grads = [], None
-    for step in range(cfg.train.steps):
-        state, metrics = c.step(state, jp.device_batch(b, step), poison)
-        losses.append(float(metrics["loss"]))
-        if step == 0:  # Adam's mu after one step is (1 - b1)·clip(g); read it before donation
-            mu = optax.tree_utils.tree_get(state["opt"], "mu")
-            unclip = max(1.0, float(metrics["grad_norm"]) / cfg.optim.clip_norm)
-            scale = unclip / (1.0 - cfg.optim.b1)
-            grads = jax.tree.map(lambda a, k=scale: np.asarray(a, np.float64) * k, mu)
-    return Result(np.array(losses), grads, c)
+    run = jp.train(c)  # first-step gradients read back from Adam's mu (conftest)
+    return Result(run.losses, run.grads, c)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,7 @@ the losses of the run that never left dp8 (fp32 tolerance: the reductions differ
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,14 +15,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.metrics import RunDir, last_per_step, read_jsonl
+from jaxpar.metrics import RunDir
+from tests.helpers import cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 SAVED_AT, MORE = 10, 5
 TARGETS = ("data=2,tensor=2", "fsdp8", "cpu1")
-THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def host(tree) -> dict:
@@ -82,47 +76,18 @@ def test_restore_onto_another_layout_is_bitwise_and_trains_on(jp, saved_on_dp8, 
 # ---- the same through `python -m train`, the mesh changing between two runs of one run dir -----
 
 
-def train(run_dir, *args, devices=8, cache=None, timeout=600):
-    cmd = [sys.executable, "-m", "train", "--steps", "30", "--run-dir", str(run_dir)]
-    cmd += ["--no-progress", "--set", "ckpt.every=10", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {THREADS}"
-    if cache:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{err[-3000:]}") from None
-    assert proc.returncode == 0, f"rc {proc.returncode}\n{err[-4000:]}"
-
-
-def losses_of(run_dir) -> dict[int, float]:
-    return {s: m["loss"] for s, m in last_per_step(read_jsonl(f"{run_dir}/metrics.jsonl")).items()}
-
-
-def test_cli_run_dir_resumes_on_another_mesh(tmp_path_factory, tmp_path):
-    base = tmp_path_factory.getbasetemp()
-    ref_dir = base / "ckpt-reference-30"  # shared with tests/faults/test_checkpoint_faults.py
-    if not (ref_dir / "summary.json").exists():
-        shutil.rmtree(ref_dir, ignore_errors=True)
-        train(ref_dir, cache=base / "jax-cache-8dev")
-    ref = losses_of(ref_dir)
+def test_cli_run_dir_resumes_on_another_mesh(ckpt_reference, tmp_path):
+    ref = losses(ckpt_reference)  # dp8, 30 steps, saves every 10 (conftest)
     run_dir = tmp_path / "run"
-    shutil.copytree(ref_dir, run_dir)
-    train(run_dir, "--mesh", "data=2,tensor=2", "--set", "ckpt.restore=10", devices=4)
+    shutil.copytree(ckpt_reference, run_dir)
+    args = ("--set", "ckpt.every=10", "--mesh", "data=2,tensor=2", "--set", "ckpt.restore=10")
+    ok(run(train_cmd(run_dir, *args, steps=30), cpu_env(devices=4)))
     events = RunDir(str(run_dir)).events()
     (restore,) = [e for e in events if e["event"] == "restore"]
     assert restore["step"] == 10
     assert restore["from_mesh"] == "data=8,fsdp=1,tensor=1,pipeline=1"
     assert restore["to_mesh"] == "data=2,fsdp=1,tensor=2,pipeline=1"
-    got = losses_of(run_dir)
+    got = losses(run_dir)
     assert sorted(got) == list(range(1, 31))
     later = range(11, 31)
     np.testing.assert_allclose([got[s] for s in later], [ref[s] for s in later], rtol=1e-4)

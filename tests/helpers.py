@@ -1,0 +1,103 @@
+"""Running jaxpar's command lines (`python -m train`, `jaxpar ...`) as subprocesses in tests.
+
+    from tests.helpers import cpu_env, events, losses, ok, run, start, train_cmd
+
+    proc = ok(run(train_cmd(run_dir, "--set", "ckpt.every=10", steps=30, faults=["kill@15"]), 0))
+    assert losses(run_dir)[30] == ...
+
+Every command runs in the checkout, in its own session (process group), and the whole group is
+killed when it outlives its timeout. `cpu_env` gives it simulated CPU devices and the pytest
+session's persistent compilation cache (set up by tests/conftest.py), so subprocesses that compile
+the same program compile it once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxpar.metrics import last_per_step, read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
+
+
+def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
+    """os.environ without JAXPAR_* variables, with XLA_FLAGS for `devices` simulated CPU devices
+    (None: no device count, as `jaxpar launch` workers get) and single-threaded CPU ops.
+
+    cache: use the session's persistent compilation cache, every program cached however fast it
+    compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, ..._MIN_ENTRY_SIZE_BYTES=-1).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+    count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    env["XLA_FLAGS"] = " ".join([*count, THREADS])
+    if cache and os.environ.get(CACHE_ENV):
+        env["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_ENV]
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    return env
+
+
+def train_cmd(run_dir, *args: str, steps: int | None = None, faults=()) -> list[str]:
+    """`python -m train --run-dir RUN_DIR --no-progress [--steps N] [--fault F ...] ARGS`."""
+    cmd = [sys.executable, "-m", "train", "--run-dir", str(run_dir), "--no-progress"]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    for f in faults:
+        cmd += ["--fault", f]
+    return [*cmd, *args]
+
+
+def start(cmd: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start `cmd` in the checkout in its own session (output discarded unless redirected)."""
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("stderr", subprocess.DEVNULL)
+    env = cpu_env() if env is None else env
+    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **popen)
+
+
+def run(
+    cmd: list[str], env: dict | None = None, timeout: float = 600, merge: bool = False
+) -> subprocess.CompletedProcess:
+    """Run `cmd` to its end (see `start`); stdout and stderr as text, stderr in stdout if `merge`.
+
+    On timeout the process group is killed and an AssertionError carries the output's tail.
+    """
+    stderr = subprocess.STDOUT if merge else subprocess.PIPE
+    proc = start(cmd, env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = f"{out[-3000:]}\n{(err or '')[-3000:]}"
+        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def ok(proc: subprocess.CompletedProcess, code: int = 0) -> subprocess.CompletedProcess:
+    """Assert the exit code (negative: killed by that signal); returns `proc`."""
+    tail = f"{(proc.stdout or '')[-3000:]}\n{(proc.stderr or '')[-3000:]}"
+    assert proc.returncode == code, f"rc {proc.returncode} != {code}\n{tail}"
+    return proc
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss of a run directory's metrics.jsonl, the last line per step (after restarts)."""
+    lines = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    return {s: m["loss"] for s, m in last_per_step(lines).items()}
+
+
+def events(run_dir, name: str | None = None, incarnation: int | None = None) -> list[dict]:
+    """A run directory's events.jsonl, optionally only one event name and/or incarnation."""
+    return [
+        e
+        for e in read_jsonl(os.path.join(run_dir, "events.jsonl"))
+        if (name is None or e["event"] == name)
+        and (incarnation is None or e["incarnation"] == incarnation)
+    ]

@@ -41,7 +41,7 @@ PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s",
 # gpt_tiny made smaller for the quick version (each cold incarnation compiles in seconds).
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
 FULL = {"kills": (8, 14, 20, 26), "steps": 30, "every": 5, "periods": (30.0, 60.0), "cycles": 4}
-QUICK = {"kills": (6, 10), "steps": 12, "every": 3, "periods": (20.0,), "cycles": 2}
+QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1}
 MODES = {"jaxpar": ([], []), "cold": (["--no-spares"], ["run.compile_cache=false"])}
 
 
@@ -56,6 +56,8 @@ def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     env.pop("XLA_FLAGS", None)  # the supervisor gives each worker its devices and threads
+    # jax's own persistent cache off in both paths (it serves process 0 only): a fair baseline
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     return env
 
@@ -128,10 +130,15 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
                _command(recipe, p["steps"], p["every"], overrides + extra))  # fmt: skip
     code = job.wait(timeout=3600)
     incidents = ledger_of(run_dir)
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    restarted = [e for e in events if e.get("incarnation", 0) > 0]
     out = {
         "mode": mode,
         "exit_code": code,
         "incidents": len(incidents),
+        # how the restarted groups came up: from spares, and with compiled programs loaded
+        "warm_starts": sum(1 for e in restarted if e.get("event") == "start" and e.get("warm")),
+        "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == "compiled"),
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
     }
@@ -141,7 +148,8 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
 
 
 def measure_goodput(period: float, cycles: int, recipe: str, overrides: list[str], root: str):
-    """The job for `cycles` failure periods after its first step, a SIGKILL every `period` s."""
+    """The job for `cycles` + 1 periods after its first step, a SIGKILL at the end of each of
+    the first `cycles` periods; stopped (SIGTERM) once the last period is over."""
     run_dir = os.path.join(root, f"goodput-{int(period)}s")
     job = _Job(run_dir, ["--max-restarts", str(cycles + 2)],
                _command(recipe, 1_000_000, 10, overrides))  # fmt: skip
@@ -163,6 +171,9 @@ def measure_goodput(period: float, cycles: int, recipe: str, overrides: list[str
             if job.proc.poll() is None:
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 kills += 1
+        time.sleep(period)  # one more period, so the last failure's recovery is inside the run
+        while not job.worker_pids() and job.proc.poll() is None:
+            time.sleep(0.2)
         os.kill(job.proc.pid, signal.SIGTERM)  # preemption notice: workers save and exit
         job.wait(timeout=600)
     finally:

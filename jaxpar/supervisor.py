@@ -394,8 +394,9 @@ class LocalGroup:
 
     def stop(self, grace_s: float) -> dict:
         """SIGTERM the live workers, SIGKILL (their whole process group) after `grace_s`."""
-        terminated = self.alive()
-        self.send(signal.SIGTERM)
+        terminated = self.alive() if grace_s > 0 else []
+        if terminated:
+            self.send(signal.SIGTERM)
         deadline = time.time() + grace_s
         while self.alive() and time.time() < deadline:
             time.sleep(0.05)

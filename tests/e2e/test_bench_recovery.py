@@ -1,0 +1,44 @@
+"""`jaxpar bench recovery --quick`: real 4-process supervised jobs with a SIGKILL, restarted cold
+and through spares + the compiled-program cache, and a goodput run under timed kills. Asserts the
+shape of recovery.json and how the restarts came up, never their timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.helpers import cpu_env, ok, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def test_bench_recovery_quick(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli",
+        "bench",
+        "recovery",
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
+    text = ok(run(args, env=cpu_env(devices=None), timeout=1700, merge=True)).stdout
+    assert "| restart path |" in text and "| failure every |" in text
+    with open(os.path.join(tmp_path, "recovery.json")) as f:
+        r = json.load(f)
+    assert r["suite"] == "recovery" and r["nproc"] == 4 and r["devices_per_proc"] == 2
+    cold, fast = r["recovery"]
+    assert (cold["mode"], fast["mode"]) == ("cold", "jaxpar")
+    for mode in (cold, fast):
+        assert mode["exit_code"] == 0 and mode["incidents"] == 1
+        assert mode["recovery_s"] > 0 and mode["recovery_s"] >= mode["init_s"] > 0
+    # the jaxpar path came up from the spares with its programs loaded; the cold one did not
+    assert fast["warm_starts"] == 1 and fast["cache_hits"] >= 2
+    assert cold["warm_starts"] == 0 and cold["cache_hits"] == 0
+    assert r["cold_over_jaxpar"] == pytest.approx(cold["recovery_s"] / fast["recovery_s"])
+    (g,) = r["goodput"]
+    assert g["kills"] == 1 and g["restarts"] >= 1 and 0 < g["goodput"] <= g["goodput_steady"] <= 1

@@ -2,9 +2,10 @@
 
     jaxpar bench overhead [--quick] [--recipe gpt_tiny] [--out bench-results]
     jaxpar bench meshes   [--quick]
+    jaxpar bench precision [--quick] [--recipe gpt_tiny]   (fp32 vs bf16, remat off vs on)
 
 Each suite prints a markdown table and writes SUITE.json into --out. Other suites (checkpoint,
-recovery, pipeline, comm) register in SUITES from their own modules.
+recovery, pipeline, comm, precision) register in SUITES from their own modules.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ EXTERNAL = {
     "recovery": "jaxpar.bench_recovery:run",
     "pipeline": "jaxpar.bench_pipeline:run",
     "comm": "jaxpar.bench_comm:run",
+    "precision": "jaxpar.bench_precision:run",
 }
+# External suites that measure the recipe given with --recipe / --set.
+TAKES_RECIPE = ("precision",)
 SUITES = ("overhead", "meshes", *EXTERNAL)
 
 
@@ -167,4 +171,6 @@ def run_suite(name: str, cfg: TrainConfig, quick: bool, out_dir: str, layout) ->
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError:
         raise ValueError(f"bench suite {name!r} is not available in this version") from None
+    if name in TAKES_RECIPE:
+        return getattr(mod, fn_name)(quick=quick, out_dir=out_dir, cfg=cfg)
     return getattr(mod, fn_name)(quick=quick, out_dir=out_dir)

@@ -98,6 +98,14 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision (see jaxpar/precision.py)."""
+
+    params: str = "float32"  # parameters and optimizer state: always float32
+    compute: str = "float32"  # forward and backward: float32 | bfloat16
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: Any
     name: str = "run"
@@ -110,6 +118,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
 
 def to_dict(cfg: Any) -> dict:
@@ -129,13 +138,18 @@ def to_dict(cfg: Any) -> dict:
 
 
 def config_hash(
-    cfg: TrainConfig, sections: tuple[str, ...] = ("model", "data", "optim", "comm")
+    cfg: TrainConfig,
+    sections: tuple[str, ...] = ("model", "data", "optim", "comm", "precision"),
 ) -> str:
     """Hash of what determines the trained values (model, optimizer, data, gradient
-    communication), not the layout. train.steps is left out on purpose: extending a run to more
-    steps is normal (its learning-rate schedule then follows the new length)."""
+    communication, compute precision), not the layout. train.steps is left out on purpose:
+    extending a run to more steps is normal (its learning-rate schedule then follows the new
+    length). A model config may name fields that change memory or speed but not the values it
+    computes in `NOT_HASHED` (e.g. rematerialisation); they are left out too."""
     d = to_dict(cfg)
     d = {k: d[k] for k in sections}
+    for name in getattr(cfg.model, "NOT_HASHED", ()):
+        d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
     blob = json.dumps(d, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig
+from jaxpar.precision import policy
 from jaxpar.rules import Rules, activation_rules
 from jaxpar.step import (
     Program,
@@ -82,6 +83,7 @@ def build_program(
     seed, m, h = cfg.train.seed, cfg.train.microbatches, cfg.comm.diloco_inner_steps
     check_batch(cfg.data.global_batch, m, mesh)
     graphdef, template = abstract_model(cfg)
+    prec = policy(cfg.precision)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     outer_tx = outer_optimizer(cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -107,7 +109,7 @@ def build_program(
             "outer": outer_tx.init(params), "replicas": replicas, "rng": rng,
         }  # fmt: skip
 
-    value_and_grad = make_value_and_grad(graphdef, template, task)
+    value_and_grad = make_value_and_grad(graphdef, template, task, prec)
     inner = _inner_step(value_and_grad, tx, mesh, act_rules, m)
 
     def train_step(state, batch, poison):
@@ -128,7 +130,7 @@ def build_program(
     # Metrics keep their leading replica dimension (sharded over `data`): no sharding forced.
     return finish_program(
         mesh, graphdef, template, state_sh, b_sh, init, train_step,
-        make_eval_step(graphdef, template, mesh, act_rules, task), schedule, task,
+        make_eval_step(graphdef, template, mesh, act_rules, task, prec), schedule, task,
         metrics_sharding=None, sync_step=sync, sync_every=h,
     )  # fmt: skip
 

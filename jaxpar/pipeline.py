@@ -66,6 +66,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.config import PipelineConfig, TrainConfig
 from jaxpar.mesh import batch_parallel_size
+from jaxpar.precision import policy
 from jaxpar.rules import Rules, activation_rules
 
 SCHEDULES = ("gpipe", "circular")
@@ -292,8 +293,11 @@ def _stage_loss(sched: Schedule, parts: Parts, rest: dict, w_VK: dict, x_BTD, ta
     x_MBTD = _split_microbatches(x_BTD, sched.microbatches)
     out_BTD = _join_microbatches(_run_stages(sched, parts, w_VK, x_MBTD, key))
     out_BTD = jnp.where(stage == p - 1, out_BTD, 0)
-    # Each stage gets T/p positions of the last stage's output and runs the head on them.
-    part_BSD = lax.psum_scatter(out_BTD, AXIS, scatter_dimension=1, tiled=True)
+    # Each stage gets T/p positions of the last stage's output and runs the head on them. In
+    # float32 whatever the compute dtype: XLA CPU aborts compiling a bf16 reduce-scatter here,
+    # and only the last stage contributes, so the sum is exact (once per step, B x T x D).
+    part_BSD = lax.psum_scatter(out_BTD.astype(jnp.float32), AXIS, scatter_dimension=1, tiled=True)
+    part_BSD = part_BSD.astype(out_BTD.dtype)
     logits_BSV = head(part_BSD).astype(jnp.float32)
     targets_BS = lax.dynamic_slice_in_dim(targets_BT, stage * (t // p), t // p, axis=1)
     return _cross_entropy(logits_BSV, targets_BS).sum() / (b * t)
@@ -318,6 +322,7 @@ def pipeline_grads(
     sched = make_schedule(cfg.pipeline, mesh.shape[AXIS], parts.num_layers)
     check_config(cfg, mesh, sched, task)
     d, p, v = mesh.shape["data"], sched.stages, sched.repeats
+    prec = policy(cfg.precision)  # casts inside the differentiated functions: float32 gradients
 
     def local(rest, w_sm, x_BTD, targets_BT, key):
         # rest: embedding/head, replicated over stages; w_sm leaves [1, v, k, ...]: this stage;
@@ -326,14 +331,16 @@ def pipeline_grads(
         w_VK = jax.tree.map(lambda a: a[0], w_sm)
         with activation_rules(mesh, act_rules, manual=MANUAL):
             loss, (g_rest, g_VK, g_BTD) = jax.value_and_grad(
-                lambda r, w, x: _stage_loss(sched, parts, r, w, x, targets_BT, key),
+                lambda r, w, x: _stage_loss(
+                    sched, parts, prec.cast(r), prec.cast(w), x, targets_BT, key
+                ),
                 argnums=(0, 1, 2),
             )(rest, w_VK, x_BTD)
         # The head got partial gradients on every stage and data replica; the input only on
-        # stage 0. One reduction each per step, none inside the tick loop.
+        # stage 0. One reduction each per step, none inside the tick loop. All in float32.
         loss, g_rest = lax.psum((loss, g_rest), MANUAL)
         g_VK = lax.psum(g_VK, "data")
-        g_BTD = lax.psum(g_BTD, AXIS)
+        g_BTD = lax.psum(g_BTD.astype(jnp.float32), AXIS)
         loss, g_rest, g_VK, g_BTD = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK, g_BTD))
         return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK), g_BTD
 
@@ -353,7 +360,7 @@ def pipeline_grads(
         k_embed, k_blocks = jax.random.split(key)
 
         def embed(rest):
-            model = _merge(graphdef, template, _put(rest, parts.path, blocks))
+            model = _merge(graphdef, template, prec.cast(_put(rest, parts.path, blocks)))
             return model.pipeline_parts()[0](batch["inputs"], k_embed)
 
         # The embedding runs outside the shard_map, automatically sharded (XLA CPU cannot
@@ -361,7 +368,7 @@ def pipeline_grads(
         x_BTD, embed_vjp = jax.vjp(embed, rest)
         w_sm = jax.tree.map(lambda a: to_stage_major(a, p, v), blocks)
         loss, g_rest, g_sm, g_BTD = mapped(rest, w_sm, x_BTD, batch["targets"], k_blocks)
-        g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g_BTD)[0])
+        g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g_BTD.astype(x_BTD.dtype))[0])
         grads = _put(g_rest, parts.path, jax.tree.map(to_layer_major, g_sm))
         return loss, {}, grads
 

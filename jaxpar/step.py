@@ -26,6 +26,7 @@ from jaxpar import pipeline
 from jaxpar.collectives import COMPRESS, compressed_mean
 from jaxpar.config import OptimConfig, TrainConfig
 from jaxpar.mesh import BATCH_AXES, batch_parallel_size
+from jaxpar.precision import FP32, Policy, policy
 from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding
 
 # Annotated models are built under eval_shape / jit with explicit out_shardings: the eager
@@ -195,6 +196,7 @@ def build_program(
         return diloco.build_program(cfg, mesh, param_rules, act_rules, batch_spec, task)
     seed = cfg.train.seed
     graphdef, template = abstract_model(cfg)
+    prec = policy(cfg.precision)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     replicated = NamedSharding(mesh, PartitionSpec())
     p_sh = param_shardings(template, param_rules, mesh)
@@ -224,7 +226,7 @@ def build_program(
             state["comm"] = jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)
         return state
 
-    value_and_grad = make_value_and_grad(graphdef, template, task)
+    value_and_grad = make_value_and_grad(graphdef, template, task, prec)
     grads_fn = (
         _manual_data_grads(value_and_grad, mesh, act_rules, m)
         if uses_manual_data(mesh, m)
@@ -261,7 +263,7 @@ def build_program(
 
     return finish_program(
         mesh, graphdef, template, state_sh, b_sh, init, train_step,
-        make_eval_step(graphdef, template, mesh, act_rules, task), schedule, task,
+        make_eval_step(graphdef, template, mesh, act_rules, task, prec), schedule, task,
         metrics_sharding=replicated,
     )  # fmt: skip
 
@@ -275,25 +277,53 @@ def abstract_model(cfg: TrainConfig) -> tuple[Any, nnx.State]:
     return graphdef, template
 
 
-def make_value_and_grad(graphdef, template: nnx.State, task: str) -> Callable:
-    """(params, batch, key) -> ((loss, aux), grads) of the model rebuilt from `params`."""
+def make_loss(graphdef, template: nnx.State, task: str, prec: Policy = FP32) -> Callable:
+    """(params, batch, key) -> (loss, aux) of the model rebuilt from `params`, computed in the
+    policy's dtype. Differentiated, the cast is part of the function: gradients come back
+    float32, like the parameters (jaxpar/precision.py)."""
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, _to_state(template, prec.cast(params)))
+        return _loss(task, model, prec.cast(batch), key)
+
+    return loss_fn
+
+
+def make_value_and_grad(graphdef, template: nnx.State, task: str, prec: Policy = FP32) -> Callable:
+    """(params, batch, key) -> ((loss, aux), grads) with respect to the float32 params."""
+    loss_fn = make_loss(graphdef, template, task, prec)
 
     def value_and_grad(params, batch, key):
-        def loss_fn(p):
-            return _loss(task, nnx.merge(graphdef, _to_state(template, p)), batch, key)
-
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, key)
 
     return value_and_grad
 
 
-def make_eval_step(graphdef, template: nnx.State, mesh: Mesh, act_rules: Rules, task: str):
-    """(state, batch) -> {"loss", ...aux} on `state["params"]`, no dropout."""
+def saved_for_backward_bytes(cfg: TrainConfig, program: Program, batch_spec: dict) -> int:
+    """Bytes the backward pass keeps from the forward for one global batch (the residuals of the
+    loss's VJP, found abstractly, before XLA fuses anything; weights included). What
+    rematerialisation shrinks, on any backend."""
+    loss_fn = make_loss(program.graphdef, program.param_template, program.task,
+                        policy(cfg.precision))  # fmt: skip
+
+    def residuals(params, batch):
+        return jax.vjp(lambda p: loss_fn(p, batch, None)[0], params)[1]
+
+    abs_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), program.abstract_state["params"]
+    )
+    return param_bytes(jax.eval_shape(residuals, abs_params, batch_spec))
+
+
+def make_eval_step(
+    graphdef, template: nnx.State, mesh: Mesh, act_rules: Rules, task: str, prec: Policy = FP32
+):
+    """(state, batch) -> {"loss", ...aux} on `state["params"]`, no dropout, same precision."""
 
     def eval_step(state, batch):
         with activation_rules(mesh, act_rules):
-            model = nnx.merge(graphdef, _to_state(template, state["params"]))
-            loss, aux = _loss(task, model, batch, None)
+            model = nnx.merge(graphdef, _to_state(template, prec.cast(state["params"])))
+            loss, aux = _loss(task, model, prec.cast(batch), None)
         return {"loss": loss, **aux}
 
     return eval_step

@@ -1,6 +1,7 @@
 """Decoder-only transformer (GPT), written once with logical axis names.
 
     python -m train --recipe gpt_tiny --mesh dp2_tp4
+    python -m train --recipe gpt_small --set model.remat=block --set precision.compute=bfloat16
 
 Legend: B batch, T seq, D embed, F mlp, N heads, H head_dim, V vocab, L layers.
 The L repeated blocks are one stacked module (parameters carry a leading `layers` dimension) so
@@ -10,6 +11,7 @@ a pipeline can split them into stages; the forward pass walks them in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,16 @@ from flax import nnx
 from jaxpar.rules import constrain
 
 _init = nnx.initializers
+
+
+# Rematerialisation per block (`remat`): what the backward pass keeps of each block's forward.
+# "block" keeps only the block's input and recomputes the rest; "dots" also keeps the outputs of
+# the weight matmuls (no batch dimension) and recomputes attention scores, softmax and GELU.
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
@@ -33,6 +45,14 @@ class GPTConfig:
     n_layers: int = 4
     d_mlp: int = 512
     dropout: float = 0.0
+    remat: str = "none"  # none | block | dots (see REMAT_POLICIES)
+
+    # Changes memory and speed, not the values computed: left out of jaxpar's config hash.
+    NOT_HASHED: ClassVar[tuple[str, ...]] = ("remat",)
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}: use one of {list(REMAT_POLICIES)}")
 
     def build(self, rngs: nnx.Rngs) -> GPT:
         return GPT(self, rngs=rngs)
@@ -48,14 +68,20 @@ class GPTConfig:
 
 
 class LayerNorm(nnx.Module):
+    """Statistics and normalisation in float32 whatever the input dtype; output in its dtype."""
+
     def __init__(self, d: int, rngs: nnx.Rngs):
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("norm",))
         self.bias = nnx.Param(jnp.zeros((d,), jnp.float32), out_sharding=("norm",))
 
     def __call__(self, x):
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+        return (
+            y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        ).astype(x.dtype)
 
 
 def _dropout(x, rate: float, key):
@@ -109,6 +135,13 @@ class Block(nnx.Module):
         return h_BTF @ self.w_out[...] + self.b_out[...]
 
     def __call__(self, x_BTD, key=None):
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat == "none":
+            return self.forward(x_BTD, key)
+        # The same computation; the backward pass recomputes what `policy` does not keep.
+        return nnx.remat(Block.forward, policy=policy)(self, x_BTD, key)
+
+    def forward(self, x_BTD, key=None):
         k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None,) * 3
         x_BTD = x_BTD + _dropout(self.attention(self.ln1(x_BTD), k_attn), self.cfg.dropout, k_res1)
         x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))

@@ -5,7 +5,9 @@ A user's own recipe is `--recipe my_module:my_function` (current directory on sy
 
 from __future__ import annotations
 
-from jaxpar.config import DataConfig, OptimConfig, TrainConfig, TrainLoopConfig
+import dataclasses
+
+from jaxpar.config import DataConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainLoopConfig
 from models.cnn import CNNConfig
 from models.gpt import GPTConfig
 from models.mlp import MLPConfig
@@ -35,6 +37,45 @@ def gpt_small() -> TrainConfig:
     )
 
 
+def gpt_350m() -> TrainConfig:
+    """GPT-2 medium's shape (24 layers, d_model 1024, 16 heads, seq 1024; 406M parameters with
+    an untied 50304-entry vocabulary) for one GPU: bf16 compute, per-block rematerialisation.
+
+    The data is the byte-level stdlib_text corpus (ids < 256, the data module's real text); the
+    vocabulary stays GPT-2-sized (50257 padded to a multiple of 128) so that the FLOPs, memory and
+    MFU are those of a GPT-2-medium-class model.
+
+        python -m train --recipe gpt_350m --mesh h200x1
+    """
+    return TrainConfig(
+        name="gpt_350m",
+        model=GPTConfig(
+            vocab_size=50304,
+            seq_len=1024,
+            d_model=1024,
+            n_heads=16,
+            n_layers=24,
+            d_mlp=4096,
+            remat="dots",
+        ),  # fmt: skip
+        data=DataConfig(source="stdlib_text", global_batch=16, seq_len=1024),
+        optim=OptimConfig(lr=3e-4, warmup_steps=200, weight_decay=0.1),
+        train=TrainLoopConfig(steps=5000, eval_every=500, eval_batches=4),
+        precision=PrecisionConfig(compute="bfloat16"),
+    )
+
+
+def gpt_small_bf16() -> TrainConfig:
+    """gpt_small with bf16 compute and per-block rematerialisation (for a GPU)."""
+    cfg = gpt_small()
+    return dataclasses.replace(
+        cfg,
+        name="gpt_small_bf16",
+        model=dataclasses.replace(cfg.model, remat="block"),
+        precision=PrecisionConfig(compute="bfloat16"),
+    )
+
+
 def digits_mlp() -> TrainConfig:
     """MLP on scikit-learn's bundled 8x8 digits (no download)."""
     return TrainConfig(
@@ -57,4 +98,6 @@ def digits_cnn() -> TrainConfig:
     )
 
 
-RECIPES = {f.__name__: f for f in (gpt_tiny, gpt_small, digits_mlp, digits_cnn)}
+RECIPES = {
+    f.__name__: f for f in (gpt_tiny, gpt_small, gpt_small_bf16, gpt_350m, digits_mlp, digits_cnn)
+}

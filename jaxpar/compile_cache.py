@@ -22,6 +22,7 @@ import pickle
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,14 +47,15 @@ def stats() -> dict[str, Any]:
     return dict(_state["stats"])
 
 
-def _key(lowered: jax.stages.Lowered) -> str:
+def _key(program_parts: tuple) -> str:
+    """Hash of the program's identity plus everything else its binary depends on."""
     from jax.extend import backend as jex_backend
 
     h = hashlib.sha256()
     backend = jex_backend.get_backend()
     devices = [(d.id, d.process_index, d.device_kind) for d in jax.devices()]
     for part in (
-        lowered.as_text(),
+        *program_parts,
         jax.__version__,
         getattr(jax.lib, "__version__", ""),
         backend.platform,
@@ -62,7 +64,7 @@ def _key(lowered: jax.stages.Lowered) -> str:
         repr(devices),
         repr((jax.process_index(), jax.process_count())),
     ):
-        h.update(part.encode())
+        h.update(str(part).encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
 
@@ -102,20 +104,39 @@ def _prune(directory: str) -> None:
 
 
 def compile(lowered: jax.stages.Lowered, name: str):  # noqa: A001 - mirrors Lowered.compile
-    """`lowered.compile()`, served from and written to the cache when one is configured.
-
-    Returns (compiled, hit). Serialising needs a compiled program with no host callbacks; one
-    that cannot be serialised is simply not cached.
-    """
+    """`lowered.compile()`, served from and written to the cache when one is configured, keyed
+    by the lowered program's text. Returns (compiled, hit)."""
     if not _state["dir"]:
         return lowered.compile(), False
-    path = _path(name, _key(lowered))
+    return _cached(name, _key((lowered.as_text(),)), lowered.compile)
+
+
+def compile_by_key(name: str, parts: tuple, lower: Callable[[], jax.stages.Lowered]):
+    """Like `compile`, but keyed by `parts` instead of the lowered text, so a hit skips tracing
+    and lowering too. Only for programs whose HLO is a function of `parts` alone: jaxpar's own
+    fixed programs, with the source file that builds them among the parts. Returns (compiled, hit).
+    """
+    if not _state["dir"]:
+        return lower().compile(), False
+    return _cached(name, _key(parts), lambda: lower().compile())
+
+
+def source_digest(path: str) -> str:
+    """sha256 of a source file: a `compile_by_key` part that changes when the code does."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _cached(name: str, key: str, build: Callable[[], Any]):
+    """Serialising needs a compiled program with no host callbacks; one that cannot be
+    serialised is simply not cached."""
+    path = _path(name, key)
     if os.path.exists(path):
         t0 = time.time()
         try:
             compiled = _load(path)
         except Exception as e:  # a torn, stale or foreign file: compile afresh
-            warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=2)
+            warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=3)
             with contextlib.suppress(OSError):
                 os.remove(path)
         else:
@@ -123,10 +144,10 @@ def compile(lowered: jax.stages.Lowered, name: str):  # noqa: A001 - mirrors Low
             _state["stats"]["hits"] += 1
             _state["stats"]["load_s"] += time.time() - t0
             return compiled, True
-    compiled = lowered.compile()
+    compiled = build()
     _state["stats"]["misses"] += 1
     try:
         _store(path, compiled)
     except Exception as e:  # e.g. host callbacks, a full disk: run uncached
-        warnings.warn(f"compile cache: not caching {name} ({type(e).__name__}: {e})", stacklevel=2)
+        warnings.warn(f"compile cache: not caching {name} ({type(e).__name__}: {e})", stacklevel=3)
     return compiled, False

@@ -104,3 +104,18 @@ def test_spare_refuses_changed_import_time_environment(monkeypatch):
     assert not spare.can_run_here({**env, "JAX_ENABLE_X64": "1"}, me)
     assert not spare.can_run_here({**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + " --x"}, me)
     assert spare.can_run_here({**env, "JAXPAR_PROCESS_ID": "3"}, me)  # read at run time
+
+
+def test_keyed_hit_skips_lowering(cache, mesh):
+    calls = []
+
+    def lower():
+        calls.append(1)
+        return _lowered(mesh)[0]
+
+    first, hit1 = compile_cache.compile_by_key("g", ("shape", 1), lower)
+    again, hit2 = compile_cache.compile_by_key("g", ("shape", 1), lower)
+    other, hit3 = compile_cache.compile_by_key("g", ("shape", 2), lower)
+    assert (hit1, hit2, hit3) == (False, True, False) and len(calls) == 2
+    x, w = _inputs(mesh, _lowered(mesh)[1])
+    np.testing.assert_array_equal(np.asarray(first(x, w)), np.asarray(again(x, w)))

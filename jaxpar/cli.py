@@ -231,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
     ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
-    ben.add_argument("suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm")
+    ben.add_argument(
+        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision"
+    )
     ben.add_argument("--recipe", default="gpt_tiny")
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")
     ben.add_argument("--quick", action="store_true", help="a small, fast version")

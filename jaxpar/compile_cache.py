@@ -27,7 +27,14 @@ from typing import Any
 
 import jax
 
-_state: dict[str, Any] = {"dir": None, "stats": {"hits": 0, "misses": 0, "load_s": 0.0}}
+_state: dict[str, Any] = {
+    "dir": None,
+    "stats": {"hits": 0, "misses": 0, "load_s": 0.0},
+    "jax_hits": 0,  # executables jax loaded from its own persistent cache
+}
+# An executable jax loaded from its persistent cache serialises into a blob that loads but fails
+# when run (CPU, jax 0.10: "NOT_FOUND: Function ... not found"): such programs are not stored.
+JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 KEEP = 32  # newest entries kept per directory (other layouts after a shrink add entries)
 
 
@@ -35,7 +42,15 @@ def configure(directory: str | None) -> None:
     """Cache compiled programs under `directory` (None: off). Call before compiling."""
     if directory:
         os.makedirs(directory, exist_ok=True)
+        if not _state.get("listening"):
+            jax.monitoring.register_event_listener(_count_jax_cache_hits)
+            _state["listening"] = True
     _state["dir"] = directory
+
+
+def _count_jax_cache_hits(event: str, **_: Any) -> None:
+    if event == JAX_CACHE_HIT:
+        _state["jax_hits"] += 1
 
 
 def directory() -> str | None:
@@ -144,8 +159,11 @@ def _cached(name: str, key: str, build: Callable[[], Any]):
             _state["stats"]["hits"] += 1
             _state["stats"]["load_s"] += time.time() - t0
             return compiled, True
+    jax_hits = _state["jax_hits"]
     compiled = build()
     _state["stats"]["misses"] += 1
+    if _state["jax_hits"] != jax_hits:  # served by jax's own cache (or one compiled alongside)
+        return compiled, False
     try:
         _store(path, compiled)
     except Exception as e:  # e.g. host callbacks, a full disk: run uncached

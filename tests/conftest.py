@@ -7,7 +7,7 @@ subprocess and end-to-end tests. A test needing another device count calls
 
 Every test checks (autouse fixture) that the process has exactly the devices it expects, so a
 multi-device test can never silently run on one device. Command lines run as subprocesses through
-tests/helpers.py.
+tests/helpers.py, which share one persistent compilation cache per pytest session.
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def _device_count():
         f"tests expect {DEVICES} devices, jax sees {got}: XLA_FLAGS must be set before jax starts "
         f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})"
     )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _subprocess_compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the session's subprocesses (tests.helpers.cpu_env);
+    a child pytest (rerun_with_devices) keeps its parent's."""
+    os.environ.setdefault(helpers.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
 
 
 @pytest.fixture(scope="session")

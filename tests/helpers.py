@@ -6,10 +6,9 @@
     assert losses(run_dir)[30] == ...
 
 Every command runs in the checkout, in its own session (process group), and the whole group is
-killed when it outlives its timeout. `cpu_env` gives it simulated CPU devices. No jax persistent
-compilation cache: a restarted run loads its program from the run directory's own cache
-(jaxpar.compile_cache), and an executable that jax had loaded from its persistent cache, saved
-there again, failed to run on CPU ("Function ... not found").
+killed when it outlives its timeout. `cpu_env` gives it simulated CPU devices and the pytest
+session's persistent compilation cache (set up by tests/conftest.py), so subprocesses that compile
+the same program compile it once per session.
 """
 
 from __future__ import annotations
@@ -24,14 +23,23 @@ from jaxpar.metrics import last_per_step, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
 
 
-def cpu_env(devices: int | None = 8) -> dict[str, str]:
+def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
     """os.environ without JAXPAR_* variables, with XLA_FLAGS for `devices` simulated CPU devices
-    (None: no device count, as `jaxpar launch` workers get) and single-threaded CPU ops."""
+    (None: no device count, as `jaxpar launch` workers get) and single-threaded CPU ops.
+
+    cache: use the session's persistent compilation cache, every program cached however fast it
+    compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, ..._MIN_ENTRY_SIZE_BYTES=-1).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
     env["XLA_FLAGS"] = " ".join([*count, THREADS])
+    if cache and os.environ.get(CACHE_ENV):
+        env["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_ENV]
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     return env
 
 

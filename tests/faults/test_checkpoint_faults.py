@@ -1,8 +1,8 @@
 """Checkpoint faults end to end: real `python -m train` processes on 8 CPU devices, real signals.
 
-Every run is gpt_tiny for 30 steps with a save every 10, compared with one uninterrupted reference
-run (conftest's `ckpt_reference`): losses must be identical (==) for every step, last metrics line
-per step.
+Every run is gpt_tiny for 30 steps with a save every 10 (the same compiled program, so one
+persistent compilation cache serves them all), compared with one uninterrupted reference run:
+losses must be identical (==) for every step, last metrics line per step.
 
     python -m pytest tests/faults/test_checkpoint_faults.py -m slow
 """

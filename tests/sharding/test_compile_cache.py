@@ -119,3 +119,33 @@ def test_keyed_hit_skips_lowering(cache, mesh):
     assert (hit1, hit2, hit3) == (False, True, False) and len(calls) == 2
     x, w = _inputs(mesh, _lowered(mesh)[1])
     np.testing.assert_array_equal(np.asarray(first(x, w)), np.asarray(again(x, w)))
+
+
+SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+from jaxpar import compile_cache
+compile_cache.configure(sys.argv[2] if sys.argv[2] != "-" else None)
+def f(x):
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) ^ jnp.uint32(12345)
+    return jnp.sum(jnp.tanh(x) * bits.astype(jnp.float32))
+compiled, hit = compile_cache.compile(jax.jit(f).lower(jax.ShapeDtypeStruct((64,), jnp.float32)), "f")
+print(hit, float(compiled(jnp.arange(64.0))))
+"""
+
+
+def test_programs_from_jax_persistent_cache_are_not_stored(tmp_path):
+    """jax's cache fills first (our cache off); with both on, the program jax loads from its
+    cache is used but not serialised again (such a blob fails when run); later runs still work."""
+    from tests.helpers import ok, run
+
+    jax_dir, ours = str(tmp_path / "jax"), str(tmp_path / "ours")
+    cmd = [sys.executable, "-c", SCRIPT, jax_dir]
+    first = ok(run([*cmd, "-"], timeout=300)).stdout.split()
+    assert first[0] == "False" and os.listdir(jax_dir)
+    for _ in range(2):
+        out = ok(run([*cmd, ours], timeout=300)).stdout.split()
+        assert out == first  # not a hit of ours, the same value
+        assert not os.path.exists(ours) or os.listdir(ours) == []

@@ -55,9 +55,38 @@ class Session:
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
+    """The run's data source (`data.source`: a name, MODULE:CALLABLE, or an object)."""
     vocab = getattr(cfg.model, "vocab_size", 256)
     seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
-    return data_lib.make_source(cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed)
+    return data_lib.make_source(
+        cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed, path=cfg.data.path,
+        dtype=cfg.data.dtype,
+    )  # fmt: skip
+
+
+def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
+    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
+    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+        raise ValueError(
+            f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
+            f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
+            "unless model.vocab_size is set)"
+        )
+
+
+def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
+    """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
+
+    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    if not hasattr(cfg.model, "vocab_size"):
+        return cfg
+    source = make_source(cfg)
+    want = getattr(source, "vocab_size", None)
+    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+        check_vocab(cfg, source)
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))
 
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
@@ -81,6 +110,7 @@ def setup(
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
+    check_vocab(cfg, source)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
     run = RunDir(run_dir, jax.process_index(), incarnation)
@@ -155,7 +185,7 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
         "mesh": str(MeshSpec(**dict(s.mesh.shape))),
         "nproc": jax.process_count(),
         "jaxpar_version": __version__,
-        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
     }
     ckpt = Checkpointer(
         s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,

@@ -103,13 +103,11 @@ def launch_options(args: argparse.Namespace):
     """Options for jaxpar.supervisor from `jaxpar launch`'s arguments (ValueError names the fix)."""
     import time
 
-    from jaxpar.supervisor import Options
+    from jaxpar.supervisor import Options, check_options
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd:
-        raise ValueError("no worker command: jaxpar launch [options] -- python -m train ...")
     own = _command_run_dir(cmd)
     if args.run_dir and own and os.path.abspath(own) != os.path.abspath(args.run_dir):
         raise ValueError(
@@ -118,17 +116,9 @@ def launch_options(args: argparse.Namespace):
     run_dir = (
         args.run_dir or own or os.path.join("runs", f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    if args.nproc < 1 or args.devices_per_proc < 1:
-        raise ValueError("--nproc and --devices-per-proc must be >= 1")
     if args.nnodes > 1 and not args.coordinator:
         raise ValueError("--nnodes > 1 needs --coordinator HOST:PORT (the rank-0 agent's host)")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
-    if args.min_nproc > args.nproc * args.nnodes:
-        raise ValueError(
-            f"--min-nproc {args.min_nproc} exceeds the {args.nproc * args.nnodes} processes"
-        )
-    return Options(
+    opts = Options(
         command=cmd, nproc=args.nproc, run_dir=os.path.abspath(run_dir),
         devices_per_proc=args.devices_per_proc, nnodes=args.nnodes, node_rank=args.node_rank,
         coordinator=args.coordinator or "127.0.0.1:0", max_restarts=args.max_restarts,
@@ -136,8 +126,10 @@ def launch_options(args: argparse.Namespace):
         startup_timeout=args.startup_timeout, collective_timeout=args.collective_timeout,
         grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
         crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
-        spares=not args.no_spares,
+        spares=not args.no_spares, bind_host=args.host, token_file=args.token_file,
     )  # fmt: skip
+    check_options(opts)
+    return opts
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -246,7 +238,23 @@ def _add_launch_parser(sub) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="rank-0 agent's address (control channel; HOST also serves jax)",
+        help="rank-0 agent's address (control channel; HOST also serves jax); IPv6 as [ADDR]:PORT",
+    )
+    la.add_argument(
+        "--host",
+        default=None,
+        metavar="ADDR",
+        help="address the rank-0 agent's control channel and jax's coordinator bind to "
+        "(default: 127.0.0.1 on one node, else exactly the --coordinator host; 0.0.0.0 or :: "
+        "for every interface)",
+    )
+    la.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="the agents' shared secret, a file only you can read (default: $JAXPAR_LAUNCH_TOKEN, "
+        "else RUN_DIR/launch-token, created 0600 by the first agent); every agent must use the "
+        "same",
     )
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
     la.set_defaults(func=cmd_launch)

@@ -289,6 +289,7 @@ def run(
     Raises Preempted (after a coordinated save), NonFiniteLoss or ReplicaMismatch.
     """
     t_start = time.time()
+    cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
     compile_cache.configure(os.path.join(run_dir, "compiled") if cfg.run.compile_cache else None)
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None)
@@ -371,6 +372,18 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
     return max(start, cfg.train.steps)
+
+
+def supervised_layout(cfg: TrainConfig, preset: Preset) -> tuple[TrainConfig, Preset]:
+    """The mesh and microbatches `jaxpar launch` chose after an elastic shrink
+    (JAXPAR_MESH, JAXPAR_MICROBATCHES), over the command line's; the rules tables stay."""
+    mesh, micro = os.environ.get(launch.ENV_MESH), os.environ.get(launch.ENV_MICROBATCHES)
+    if mesh:
+        preset = dataclasses.replace(preset, mesh=MeshSpec.parse(mesh))
+    if micro:
+        train = dataclasses.replace(cfg.train, microbatches=int(micro))
+        cfg = dataclasses.replace(cfg, train=train)
+    return cfg, preset
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

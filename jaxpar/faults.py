@@ -140,6 +140,7 @@ class Faults:
                 time.sleep(3600)
         if self._take("sigterm", at):
             os.kill(os.getpid(), signal.SIGTERM)
+            _await_preemption_notice()
         if any(s.kind == "corrupt" and s.step == at for s in self.specs):
             if self.wait_for_saves is not None:
                 self.wait_for_saves()  # the newest checkpoint is the committed one
@@ -280,3 +281,20 @@ def corrupt_newest(ckpt_dir: str, mode: str = "flip") -> str | None:
         fh.seek(where)
         fh.write(bytes([byte[0] ^ 0xFF]))
     return target
+
+
+def _await_preemption_notice(timeout_ms: int = 30_000) -> None:
+    """Block until jax's coordination service holds this process's preemption notice.
+
+    jax's SIGTERM listener looks for the signal once a second, so without this the notice may
+    reach the other processes only after the last step, and the run ends without the coordinated
+    save the fault is meant to cause. A no-op outside a multi-process job."""
+    from jax._src import distributed  # the client jax.distributed.initialize made
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.blocking_key_value_get("RECEIVED_PREEMPTION_NOTICE", timeout_ms)
+    except jax.errors.JaxRuntimeError:  # not there in time: the loop goes on as it would have
+        pass

@@ -56,9 +56,38 @@ class Session:
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
+    """The run's data source (`data.source`: a name, MODULE:CALLABLE, or an object)."""
     vocab = getattr(cfg.model, "vocab_size", 256)
     seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
-    return data_lib.make_source(cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed)
+    return data_lib.make_source(
+        cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed, path=cfg.data.path,
+        dtype=cfg.data.dtype,
+    )  # fmt: skip
+
+
+def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
+    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
+    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+        raise ValueError(
+            f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
+            f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
+            "unless model.vocab_size is set)"
+        )
+
+
+def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
+    """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
+
+    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    if not hasattr(cfg.model, "vocab_size"):
+        return cfg
+    source = make_source(cfg)
+    want = getattr(source, "vocab_size", None)
+    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+        check_vocab(cfg, source)
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))
 
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
@@ -82,6 +111,7 @@ def setup(
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
+    check_vocab(cfg, source)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
     run = RunDir(run_dir, jax.process_index(), incarnation)
@@ -156,7 +186,7 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
         "mesh": str(MeshSpec(**dict(s.mesh.shape))),
         "nproc": jax.process_count(),
         "jaxpar_version": __version__,
-        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
     }
     ckpt = Checkpointer(
         s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
@@ -260,6 +290,7 @@ def run(
     Raises Preempted (after a coordinated save), NonFiniteLoss or ReplicaMismatch.
     """
     t_start = time.time()
+    cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
     compile_cache.configure(
         os.path.join(run_dir, runlog.COMPILED) if cfg.run.compile_cache else None
@@ -344,6 +375,18 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
     return max(start, cfg.train.steps)
+
+
+def supervised_layout(cfg: TrainConfig, preset: Preset) -> tuple[TrainConfig, Preset]:
+    """The mesh and microbatches `jaxpar launch` chose after an elastic shrink
+    (JAXPAR_MESH, JAXPAR_MICROBATCHES), over the command line's; the rules tables stay."""
+    mesh, micro = os.environ.get(launch.ENV_MESH), os.environ.get(launch.ENV_MICROBATCHES)
+    if mesh:
+        preset = dataclasses.replace(preset, mesh=MeshSpec.parse(mesh))
+    if micro:
+        train = dataclasses.replace(cfg.train, microbatches=int(micro))
+        cfg = dataclasses.replace(cfg, train=train)
+    return cfg, preset
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import sys
 import types
 import typing
@@ -226,19 +227,22 @@ def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = ""
 
 
 def resolve_recipe(name: str) -> TrainConfig:
-    """A recipe by name from `train.recipes`, or `module:function` for a user's own."""
+    """A recipe by name from `jaxpar.train.recipes`, or `module:function` for a user's own.
+
+    A user's module is imported from sys.path; the current directory is searched too, after
+    the installed packages (never ahead of them).
+    """
     if ":" in name:
         mod_name, fn_name = name.split(":", 1)
     else:
-        mod_name, fn_name = "train.recipes", name
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # run from the checkout: recipes live beside jaxpar/
+        mod_name, fn_name = "jaxpar.train.recipes", name
+    search_current_directory()
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise ValueError(
-            f"recipe {name!r}: cannot import {mod_name!r} ({e}); run from the jaxpar checkout or "
-            f"give MODULE:FUNCTION on sys.path"
+            f"recipe {name!r}: cannot import {mod_name!r} ({e}); give MODULE:FUNCTION with "
+            f"MODULE importable from the current directory or sys.path"
         ) from None
     fn = getattr(mod, fn_name, None)
     if fn is None:
@@ -250,3 +254,9 @@ def resolve_recipe(name: str) -> TrainConfig:
     if not isinstance(cfg, TrainConfig):
         raise ValueError(f"recipe {name!r} returned {type(cfg).__name__}, not a TrainConfig")
     return cfg
+
+
+def search_current_directory() -> None:
+    """Let a user's modules in the current directory be imported, after the installed ones."""
+    if "" not in sys.path and "." not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append("")

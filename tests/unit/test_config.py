@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from jaxpar.config import TrainConfig, apply_overrides, config_hash, resolve_recipe, to_dict
-from models.cnn import CNNConfig
-from models.gpt import GPTConfig
+from jaxpar.models.cnn import CNNConfig
+from jaxpar.models.gpt import GPTConfig
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec
 
-import meshes
+from jaxpar import meshes
 from jaxpar import trainer
 from jaxpar.config import apply_overrides, resolve_recipe
 from jaxpar.data import batch_spec

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "fit": "jaxpar.api",
     "entrypoint": "jaxpar.api",
     "run_worker": "jaxpar.api",
+    "resolve_run_dir": "jaxpar.api",
     "RunDir": "jaxpar.metrics",
     "TensorBoardWriter": "jaxpar.metrics",
     "Progress": "jaxpar.metrics",
@@ -84,6 +85,7 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         entrypoint,
         fit,
         preset,
+        resolve_run_dir,
         run_worker,
     )
     from jaxpar.checkpoint import CheckpointMismatch, Preempted  # noqa: F401

@@ -229,6 +229,18 @@ class CheckpointManager:
 # --- the loop and the entrypoint -----------------------------------------------------------------
 
 
+def resolve_run_dir(run_dir: str | None, cfg: Any) -> str:
+    """`run_dir` if given, else JAXPAR_RUN_DIR (set by `jaxpar launch --run-dir`), else
+    runs/NAME-TIME."""
+    import time
+
+    return (
+        run_dir
+        or os.environ.get(launch.ENV_RUN_DIR)
+        or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
+
+
 def fit(
     cfg: Any,
     mesh: Any = None,
@@ -243,18 +255,11 @@ def fit(
     launch`, and a coordinated save on preemption (then `Preempted` is raised; `entrypoint`
     turns it into the exit code the supervisor expects). Returns the summary dict.
 
-    `run_dir` defaults to JAXPAR_RUN_DIR (set by `jaxpar launch --run-dir`), else
-    runs/NAME-TIME.
+    `run_dir`: see `resolve_run_dir`.
     """
-    import time
-
     from jaxpar import trainer
 
-    run_dir = (
-        run_dir
-        or os.environ.get(launch.ENV_RUN_DIR)
-        or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    )
+    run_dir = resolve_run_dir(run_dir, cfg)
     layout = preset(cfg.mesh if mesh is None else mesh)
     summary = trainer.run(cfg, layout, run_dir, faults=list(faults), progress=progress)
     summary["run_dir"] = os.path.abspath(run_dir)

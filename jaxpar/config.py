@@ -16,13 +16,9 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class ModelConfig(Protocol):
-    """What jaxpar needs from a model config (a frozen dataclass of the user's)."""
-
-    def build(self, rngs: Any) -> Any: ...
+from jaxpar.contract import ModelConfig, not_hashed  # noqa: F401 - ModelConfig re-exported
 
 
 @dataclass(frozen=True)
@@ -123,6 +119,24 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # The model contract's user hooks (jaxpar/contract.py, docs/model_contract.md):
+    # loss(model, batch, rngs) -> (loss, metrics); None: the data source's built-in task
+    loss: Any = None
+    # an optax GradientTransformation, or total_steps -> GradientTransformation; None: `optim`
+    optimizer: Any = None
+    # extra (logical name, mesh axes) rules, after the preset's, for parameters and activations
+    rules: tuple = ()
+
+
+USER_HOOKS = ("loss", "optimizer")  # callables a recipe supplies; recorded as MODULE:QUALNAME
+
+
+def _qualified(v: Any) -> str:
+    """MODULE:QUALNAME of a function, class or object (an optax transformation: its update)."""
+    if hasattr(v, "update") and not hasattr(v, "__qualname__"):  # optax GradientTransformation
+        v = v.update
+    t = v if hasattr(v, "__qualname__") else type(v)
+    return f"{t.__module__}:{t.__qualname__}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -135,8 +149,10 @@ def to_dict(cfg: Any) -> dict:
             if f.name == "model":
                 d["_class"] = f"{type(v).__module__}:{type(v).__qualname__}"
             v = d
+        elif f.name in USER_HOOKS and v is not None:
+            v = _qualified(v)
         elif isinstance(v, tuple):
-            v = list(v)
+            v = [list(x) if isinstance(x, tuple) else x for x in v]
         elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
             t = v if hasattr(v, "__qualname__") else type(v)
             v = f"{t.__module__}:{t.__qualname__}"
@@ -154,8 +170,8 @@ def config_hash(
     length). A model config may name fields that change memory or speed but not the values it
     computes in `NOT_HASHED` (e.g. rematerialisation); they are left out too."""
     d = to_dict(cfg)
-    d = {k: d[k] for k in sections}
-    for name in getattr(cfg.model, "NOT_HASHED", ()):
+    d = {k: d[k] for k in sections} | {k: d[k] for k in (*USER_HOOKS, "rules") if d.get(k)}
+    for name in not_hashed(cfg.model):
         d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
     blob = json.dumps(d, sort_keys=True).encode()

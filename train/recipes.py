@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.config import DataConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainLoopConfig
 from jaxpar.models.cnn import CNNConfig
 from jaxpar.models.gpt import GPTConfig
 from jaxpar.models.mlp import MLPConfig
-
-from jaxpar.config import DataConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainLoopConfig
 
 
 def gpt_tiny() -> TrainConfig:

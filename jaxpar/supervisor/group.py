@@ -14,7 +14,7 @@ import time
 
 from jaxpar import spare as spare_lib
 from jaxpar.supervisor.monitor import EventTail
-from jaxpar.supervisor.options import Options, say
+from jaxpar.supervisor.options import Options, cannot_write, say
 from jaxpar.supervisor.policy import worker_env
 
 
@@ -105,7 +105,6 @@ class LocalGroup:
         self.procs, self.logs, self.reported = {}, {}, set()
         self.attempt = int(spec["attempt"])
         self.spec = spec
-        os.makedirs(self.log_dir, exist_ok=True)
         for local_rank, pid in enumerate(spec["process_ids"]):
             env = self._env(spec, pid, local_rank)
             name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
@@ -115,7 +114,7 @@ class LocalGroup:
             if spare is not None and self._hand_over(spare, env, self.opts.command, path):
                 self.procs[pid] = spare
             else:
-                with open(path, "ab") as log:
+                with self._log(path) as log:
                     self.procs[pid] = subprocess.Popen(
                         self.opts.command, env=env, stdout=log, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -124,6 +123,15 @@ class LocalGroup:
         self.release_spares()  # ranks this group does not use (after a shrink)
         self.spares_due = self.opts.spares
         self.events = EventTail(os.path.join(self.opts.run_dir, "events.jsonl"))  # from now
+
+    def _log(self, path: str):
+        """The worker log, opened for appending; /dev/null if it cannot be written."""
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            return open(path, "ab")
+        except OSError as e:
+            cannot_write(path, e)
+            return open(os.devnull, "ab")
 
     def _unwatch_all(self) -> None:
         for fd in self.pidfds.values():
@@ -165,7 +173,7 @@ class LocalGroup:
             env = self._env(self.spec, pid, local_rank)
             env["JAXPAR_SPARE_MODULE"] = module
             path = os.path.join(self.log_dir, f"spare{local_rank}.log")
-            with open(path, "ab") as log:
+            with self._log(path) as log:
                 self.spares[local_rank] = subprocess.Popen(
                     [sys.executable, "-m", "jaxpar.spare"], env=env, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,

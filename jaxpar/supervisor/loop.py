@@ -21,7 +21,7 @@ from jaxpar.metrics import append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
 from jaxpar.supervisor.monitor import Monitor
-from jaxpar.supervisor.options import Options, join_address, say
+from jaxpar.supervisor.options import Options, cannot_write, join_address, say
 from jaxpar.supervisor.policy import (
     CrashLoop,
     Outcome,
@@ -63,21 +63,13 @@ class Supervisor:
         self.stop_request: int | None = None
         self.startup_measured: float | None = None
         self.faults_seen: list[dict] = []
-        self._write_failed = False
 
     def event(self, name: str, **fields: Any) -> None:
         line = {"event": name, "time": time.time(), "incarnation": self.incarnation, **fields}
         try:
             append_line(self.events_path, line)
         except OSError as e:
-            self._cannot_write(self.events_path, e)
-
-    def _cannot_write(self, path: str, e: OSError) -> None:
-        """The supervisor carries on without its own files (disk full, ...): said once."""
-        if not self._write_failed:
-            say(f"cannot write {path}: {e.strerror or e} (errno {e.errno}); carrying on without "
-                f"it — free space in {self.run_dir}")  # fmt: skip
-        self._write_failed = True
+            cannot_write(self.events_path, e)
 
     def _count_starts(self) -> int:
         return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == "start")
@@ -132,7 +124,7 @@ class Supervisor:
             )  # fmt: skip
             write_json(os.path.join(self.run_dir, "summary.json"), summary)
         except OSError as e:
-            self._cannot_write(os.path.join(self.run_dir, "summary.json"), e)
+            cannot_write(os.path.join(self.run_dir, "summary.json"), e)
             return
         say(goodput.format_summary(summary))
 

@@ -143,3 +143,16 @@ def check_options(o: Options) -> None:
 
 def say(msg: str) -> None:
     print(f"[jaxpar launch] {msg}", file=sys.stderr, flush=True)
+
+
+_unwritable: set[str] = set()
+
+
+def cannot_write(path: str, e: OSError) -> None:
+    """The supervisor carries on without a file it cannot write (a full disk, ...); each kind of
+    error is said once, not once per write."""
+    why = e.strerror or str(e)
+    if why not in _unwritable:
+        _unwritable.add(why)
+        say(f"cannot write {path}: {why}; carrying on without it (free space in "
+            f"{os.path.dirname(path)})")  # fmt: skip

@@ -20,8 +20,8 @@ from jaxpar import launch as L
 from jaxpar.metrics import append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
-from jaxpar.supervisor.monitor import Monitor
-from jaxpar.supervisor.options import Options, cannot_write, join_address, say
+from jaxpar.supervisor.monitor import Monitor, drop_empty_stack_files, stack_files
+from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import (
     CrashLoop,
     Outcome,
@@ -36,14 +36,6 @@ from jaxpar.supervisor.policy import (
 from jaxpar.supervisor.transport import RemoteNode, Rendezvous
 
 HB_EVERY_S = 0.25  # heartbeat files are read this often; exits wake the loop at once
-
-
-def free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Supervisor:
@@ -299,10 +291,13 @@ class Supervisor:
                 node.signal(signal.SIGCONT)  # a stopped worker cannot dump (nor die of SIGTERM)
                 node.signal(signal.SIGUSR1)
             deadline = time.time() + 2.0  # faulthandler writes at once; files may be remote
-            while len(self._stack_files()) < len(self.slots) and time.time() < deadline:
+            while (
+                len(stack_files(self.run_dir, self.incarnation)) < len(self.slots)
+                and time.time() < deadline
+            ):
                 time.sleep(0.05)
             time.sleep(0.1)  # let the last one finish writing
-            files = self._stack_files()
+            files = stack_files(self.run_dir, self.incarnation)
             self.event("stacks_dumped", process=out.process, files=files)
             say(f"stacks of every worker dumped to {', '.join(files) or '(none)'}")
         # A failed group's survivors cannot finish a collective without the lost peer (a SIGTERM
@@ -311,29 +306,12 @@ class Supervisor:
         for node in reversed(self.nodes):  # remote agents first: they stop in parallel
             node.request_stop(grace)
         stopped = [node.wait_stopped() for node in self.nodes]
-        self._drop_empty_stack_files()
+        drop_empty_stack_files(self.run_dir)
         if out.kind == "done":
             return
         self.event("survivors_stopped", seconds=time.time() - t,
                    terminated=sum(s.get("terminated", 0) for s in stopped),
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
-
-    def _stack_files(self) -> list[str]:
-        d = os.path.join(self.run_dir, L.STACKS_DIR)
-        prefix = f"inc{self.incarnation}-"
-        try:
-            names = [n for n in os.listdir(d) if n.startswith(prefix)]
-            return sorted(os.path.join(L.STACKS_DIR, n) for n in names
-                          if os.path.getsize(os.path.join(d, n)) > 0)  # fmt: skip
-        except OSError:
-            return []
-
-    def _drop_empty_stack_files(self) -> None:
-        d = os.path.join(self.run_dir, L.STACKS_DIR)
-        for n in os.listdir(d) if os.path.isdir(d) else []:
-            path = os.path.join(d, n)
-            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == 0:
-                os.remove(path)
 
     def _stopped(self) -> list[int]:
         """Process ids of workers seen stopped (SIGSTOP), on this host."""

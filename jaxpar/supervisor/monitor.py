@@ -210,3 +210,27 @@ class Monitor:
             except (ValueError, TypeError, AttributeError, KeyError):
                 continue
         return None
+
+
+def stack_files(run_dir: str, incarnation: int) -> list[str]:
+    """The non-empty stack dumps of `incarnation`, relative to the run directory."""
+    d = os.path.join(run_dir, L.STACKS_DIR)
+    prefix = f"inc{incarnation}-"
+    try:
+        names = [n for n in os.listdir(d) if n.startswith(prefix)]
+        return sorted(os.path.join(L.STACKS_DIR, n) for n in names
+                      if os.path.getsize(os.path.join(d, n)) > 0)  # fmt: skip
+    except OSError:
+        return []
+
+
+def drop_empty_stack_files(run_dir: str) -> None:
+    """Remove the empty dump files of workers that were never asked (never follows a link)."""
+    d = os.path.join(run_dir, L.STACKS_DIR)
+    try:
+        for n in os.listdir(d) if os.path.isdir(d) and not os.path.islink(d) else []:
+            path = os.path.join(d, n)
+            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == 0:
+                os.remove(path)
+    except OSError:
+        return

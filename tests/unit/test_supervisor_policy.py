@@ -355,3 +355,28 @@ def test_child_exit_wakes_the_supervisor_and_stopped_workers_are_seen(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_channel_lines_drop_malformed_and_bound_size():
+    import contextlib
+    import socket
+    import threading
+
+    from jaxpar.supervisor.channel import MAX_LINE, ChannelError, Lines
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"not json\n[1, 2]\n" + b"[" * 200_000 + b'\n\xff\xfe\n{"ok": 1}\n')
+        lines = Lines(b)
+        assert lines.next() == {"ok": 1}  # garbage, a list, deep nesting, bad UTF-8 skipped
+
+        def send_too_much():
+            with contextlib.suppress(OSError):  # the reader hangs up first
+                a.sendall(b"x" * (MAX_LINE + 70_000))
+
+        sender = threading.Thread(target=send_too_much)
+        sender.start()
+        with pytest.raises(ChannelError, match="longer than"):
+            lines.next()
+        b.close()
+        sender.join(30)

@@ -271,8 +271,12 @@ class Supervisor:
                 fields[name] = getattr(out, name)
         self.event("failure", **fields)
         where = f" at step {out.step}" if out.step is not None else " during start-up"
+        injected = [e.get("spec") for e in self.faults_seen
+                    if e.get("incarnation") == self.incarnation
+                    and e.get("kind") in goodput.ENDING_FAULTS]  # fmt: skip
+        why = f" — injected fault {injected[-1]}" if injected else ""
         say(f"failure{where}: {out.cause} of process {out.process} (code {out.code}) "
-            f"{out.detail}".rstrip())  # fmt: skip
+            f"{out.detail}".rstrip() + why)  # fmt: skip
         log = self._log_of(out.process)
         if log and os.path.exists(log) and out.cause not in ("hang",):
             with open(log, errors="replace") as f:

@@ -380,3 +380,19 @@ def test_channel_lines_drop_malformed_and_bound_size():
             lines.next()
         b.close()
         sender.join(30)
+
+
+def test_a_group_runs_its_own_command_whatever_the_spec_says(tmp_path):
+    marker, ran = tmp_path / "pwned", tmp_path / "ran"
+    own = [sys.executable, "-c", f"open({str(ran)!r}, 'w').write('yes')"]
+    opts = sv.Options(command=own, nproc=1, run_dir=str(tmp_path / "run"), spares=False)
+    group = sv.LocalGroup(opts)
+    spec = {"incarnation": 0, "coordinator": "127.0.0.1:1", "bind": "127.0.0.1:1", "nproc": 1,
+            "process_ids": [0], "attempt": 0, "faults": [], "collective_timeout": 60,
+            "command": ["touch", str(marker)]}  # fmt: skip
+    group.start(spec)
+    exits = []
+    while not exits:
+        group.waker.wait(60)
+        exits += group.poll()
+    assert exits == [(0, 0)] and ran.read_text() == "yes" and not marker.exists()

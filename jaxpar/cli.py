@@ -59,6 +59,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from jaxpar.prepare import prepare
+
+    meta = prepare(
+        args.inputs, args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        tokenizer=args.tokenizer, shard_tokens=args.shard_tokens, progress=not args.no_progress,
+    )  # fmt: skip
+    print(
+        f"{args.out}: {meta['tokens']['train']:,} train + {meta['tokens']['val']:,} val tokens "
+        f"({meta['dtype']}, vocab {meta['vocab_size']}) from {len(meta['sources'])} files, "
+        f"{meta['input_bytes'] / 1e6:.1f} MB in {meta['seconds']:.1f}s"
+    )
+    return 0
+
+
+def _add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="prepare a text corpus into token shards (docs/data.md)")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    pre = dsub.add_parser(
+        "prepare", help="train a byte-level BPE tokenizer and write token shards + meta.json"
+    )
+    pre.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or folders")
+    pre.add_argument("--out", required=True, metavar="DIR", help="output folder (new)")
+    pre.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 4096)")
+    pre.add_argument("--val-fraction", type=float, default=0.05, help="share of bytes for val")
+    pre.add_argument("--tokenizer", default=None, help="use this tokenizer.json, do not train one")
+    pre.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    pre.add_argument("--no-progress", action="store_true", help="no progress display")
+    pre.set_defaults(func=cmd_data_prepare)
+
+
 def _command_run_dir(cmd: list[str]) -> str | None:
     for i, arg in enumerate(cmd):
         if arg == "--run-dir" and i + 1 < len(cmd):
@@ -252,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
+    _add_data_parser(sub)
     return p
 
 

@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import runlog
 from jaxpar.launch import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
 from jaxpar.metrics import RunDir
+from jaxpar.runlog import W
 
 KINDS = ("kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow")
 
@@ -100,7 +102,7 @@ class Faults:
 
     def __init__(self, specs: list[FaultSpec], run: RunDir, process_index: int):
         self.run = run
-        fired = {e.get("spec") for e in run.events() if e.get("event") == "fault_injected"}
+        fired = {e.get("spec") for e in run.events() if e.get("event") == W.FAULT_INJECTED}
         self.specs = [
             s
             for s in specs
@@ -117,7 +119,7 @@ class Faults:
                 self.specs.remove(s)
                 if s.process == self.process:
                     self.run.event(
-                        "fault_injected", all_processes=True, kind=s.kind, spec=s.text,
+                        W.FAULT_INJECTED, all_processes=True, kind=s.kind, spec=s.text,
                         process=self.process, step=step, permanent=s.permanent,
                     )  # fmt: skip
                 return s
@@ -143,7 +145,7 @@ class Faults:
             if self.wait_for_saves is not None:
                 self.wait_for_saves()  # the newest checkpoint is the committed one
             self._take("corrupt", at)
-            corrupt_newest(self.run.file("checkpoints"))
+            corrupt_newest(self.run.file(runlog.CHECKPOINTS))
 
     def poison(self, step: int) -> float:
         """Factor multiplied into the loss inside the compiled step (NaN poisons it)."""

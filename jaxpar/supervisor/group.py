@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from jaxpar import runlog
 from jaxpar import spare as spare_lib
 from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, say
@@ -86,7 +87,7 @@ class LocalGroup:
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
         self.spares_due = False  # start spares once this group has started
         self.events: EventTail | None = None
-        self.log_dir = os.path.join(self.opts.run_dir, "logs")
+        self.log_dir = os.path.join(self.opts.run_dir, runlog.LOGS)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         return worker_env(
@@ -122,7 +123,7 @@ class LocalGroup:
             self.pidfds[pid] = self.waker.watch(self.procs[pid].pid)
         self.release_spares()  # ranks this group does not use (after a shrink)
         self.spares_due = self.opts.spares
-        self.events = EventTail(os.path.join(self.opts.run_dir, "events.jsonl"))  # from now
+        self.events = EventTail(os.path.join(self.opts.run_dir, runlog.EVENTS))  # from now
 
     def _log(self, path: str):
         """The worker log, opened for appending; /dev/null if it cannot be written."""
@@ -162,7 +163,7 @@ class LocalGroup:
         if not self.spares_due or self.spec is None or self.events is None:
             return
         inc = self.spec["incarnation"]
-        if not any(e.get("event") == "start" and e.get("incarnation") == inc
+        if not any(e.get("event") == runlog.W.START and e.get("incarnation") == inc
                    for e in self.events.read()):  # fmt: skip
             return
         self.spares_due = False

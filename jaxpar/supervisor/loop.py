@@ -15,9 +15,9 @@ import signal
 import time
 from typing import Any
 
-from jaxpar import goodput
+from jaxpar import goodput, runlog
 from jaxpar import launch as L
-from jaxpar.metrics import append_line, read_jsonl, write_json
+from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
 from jaxpar.supervisor.monitor import Monitor, drop_empty_stack_files, stack_files
@@ -44,7 +44,7 @@ class Supervisor:
     def __init__(self, opts: Options):
         self.opts = opts
         self.run_dir = os.path.abspath(opts.run_dir)
-        self.events_path = os.path.join(self.run_dir, "events.jsonl")
+        self.events_path = os.path.join(self.run_dir, runlog.EVENTS)
         self.waker = Wakeup()
         self.nodes: list[LocalNode | RemoteNode] = []
         self.slots: list[tuple[int, int]] = []  # (node, local index), indexed by process id
@@ -64,7 +64,7 @@ class Supervisor:
             cannot_write(self.events_path, e)
 
     def _count_starts(self) -> int:
-        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == "start")
+        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == W.START)
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_request is not None and signum == signal.SIGINT:
@@ -93,7 +93,7 @@ class Supervisor:
             self.slots = [(n, i) for n, k in enumerate(per_node) for i in range(k)]
             self.incarnation = self._count_starts()
             self.event(
-                "launch", nproc=len(self.slots), nnodes=len(self.nodes),
+                S.LAUNCH, nproc=len(self.slots), nnodes=len(self.nodes),
                 devices_per_proc=self.opts.devices_per_proc, max_restarts=self.opts.max_restarts,
                 command=shlex.join(self.opts.command), pid=os.getpid(),
             )  # fmt: skip
@@ -114,9 +114,9 @@ class Supervisor:
                 self.run_dir, wall_s, self.restarts, status, counted_restarts=self.counted,
                 nproc=len(self.slots),
             )  # fmt: skip
-            write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            write_json(os.path.join(self.run_dir, runlog.SUMMARY), summary)
         except OSError as e:
-            cannot_write(os.path.join(self.run_dir, "summary.json"), e)
+            cannot_write(os.path.join(self.run_dir, runlog.SUMMARY), e)
             return
         say(goodput.format_summary(summary))
 
@@ -135,7 +135,7 @@ class Supervisor:
             if out.kind == "preempted":
                 self.restarts += 1
                 self.incarnation = self._count_starts()
-                self.event("restart", attempt=self.restarts, nproc=len(self.slots), counted=False,
+                self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=False,
                            backoff_s=0.0, reason="preempted")  # fmt: skip
                 say("preempted: restarting (not counted against --max-restarts)")
                 continue
@@ -143,7 +143,7 @@ class Supervisor:
             if reason is None and out.lost:
                 reason = self._shrink(out.lost)
             if reason is not None:
-                self.event("gave_up", reason=reason)
+                self.event(S.GAVE_UP, reason=reason)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
                 return "gave_up", 1
             streak += 1
@@ -151,7 +151,7 @@ class Supervisor:
             self.counted += 1
             self.restarts += 1
             self.incarnation = self._count_starts()
-            self.event("restart", attempt=self.restarts, nproc=len(self.slots), counted=True,
+            self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=True,
                        backoff_s=delay, reason=out.cause)  # fmt: skip
             say(
                 f"restart {self.counted}/{self.opts.max_restarts} on {len(self.slots)} processes"
@@ -183,7 +183,7 @@ class Supervisor:
             if p < len(self.slots):
                 del self.slots[p]
         try:
-            with open(os.path.join(self.run_dir, "config.json")) as f:
+            with open(os.path.join(self.run_dir, runlog.CONFIG)) as f:
                 cfg = json.load(f)
             batch = int(cfg["data"]["global_batch"])
             mesh_s = cfg.get("mesh_resolved") or ""
@@ -206,7 +206,7 @@ class Supervisor:
         mesh_new = mesh_text(plan["mesh"])
         self.layout = {"mesh": mesh_new, "microbatches": plan["microbatches"]}
         self.incarnation = self._count_starts()
-        self.event("shrink", from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
+        self.event(S.SHRINK, from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
                    mesh=mesh_new, microbatches=plan["microbatches"])  # fmt: skip
         say(f"shrink {before} -> {plan['nproc']} processes, mesh {mesh_new}, "
             f"microbatches {plan['microbatches']}")  # fmt: skip
@@ -238,7 +238,7 @@ class Supervisor:
         coordinator = join_address(host, port)
         hang, startup, coll = self._timeouts()
         mon = Monitor(self.run_dir, nproc, self.incarnation, self.faults_seen)
-        self.event("group_started", nproc=nproc, coordinator=coordinator, attempt=self.restarts,
+        self.event(S.GROUP_STARTED, nproc=nproc, coordinator=coordinator, attempt=self.restarts,
                    hang_timeout_s=self.opts.hang_timeout, startup_timeout_s=startup,
                    collective_timeout_s=coll)  # fmt: skip
         t_spawn = time.time()
@@ -260,7 +260,7 @@ class Supervisor:
 
     def _record(self, out: Outcome) -> None:
         if out.kind == "preempted":
-            self.event("preemption", process=out.process, code=out.code, step=out.step)
+            self.event(S.PREEMPTION, process=out.process, code=out.code, step=out.step)
             return
         fields: dict[str, Any] = {"cause": out.cause, "process": out.process, "code": out.code,
                                   "step": out.step}  # fmt: skip
@@ -269,11 +269,11 @@ class Supervisor:
         for name in ("detail", "lost", "exits", "stale_s"):
             if getattr(out, name) not in (None, "", []):
                 fields[name] = getattr(out, name)
-        self.event("failure", **fields)
+        self.event(S.FAILURE, **fields)
         where = f" at step {out.step}" if out.step is not None else " during start-up"
         injected = [e.get("spec") for e in self.faults_seen
                     if e.get("incarnation") == self.incarnation
-                    and e.get("kind") in goodput.ENDING_FAULTS]  # fmt: skip
+                    and e.get("kind") in runlog.ENDING_FAULTS]  # fmt: skip
         why = f" — injected fault {injected[-1]}" if injected else ""
         say(f"failure{where}: {out.cause} of process {out.process} (code {out.code}) "
             f"{out.detail}".rstrip() + why)  # fmt: skip
@@ -302,7 +302,7 @@ class Supervisor:
                 time.sleep(0.05)
             time.sleep(0.1)  # let the last one finish writing
             files = stack_files(self.run_dir, self.incarnation)
-            self.event("stacks_dumped", process=out.process, files=files)
+            self.event(S.STACKS_DUMPED, process=out.process, files=files)
             say(f"stacks of every worker dumped to {', '.join(files) or '(none)'}")
         # A failed group's survivors cannot finish a collective without the lost peer (a SIGTERM
         # would only start a preemption save that cannot complete): kill them at once.
@@ -313,7 +313,7 @@ class Supervisor:
         drop_empty_stack_files(self.run_dir)
         if out.kind == "done":
             return
-        self.event("survivors_stopped", seconds=time.time() - t,
+        self.event(S.SURVIVORS_STOPPED, seconds=time.time() - t,
                    terminated=sum(s.get("terminated", 0) for s in stopped),
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
 
@@ -387,7 +387,7 @@ class Supervisor:
             if s["process"] in reported:
                 continue
             reported.add(s["process"])
-            self.event("straggler", **s)
+            self.event(S.STRAGGLER, **s)
             factor = f"{s['factor']:.1f}x" if s["factor"] is not None else "many times"
             say(
                 f"straggler: process {s['process']} reaches each step {s['lag_s']:.2f}s after the "

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxpar.runlog import S
 from jaxpar.supervisor.channel import (
     HANDSHAKE_S,
     Channel,
@@ -132,7 +133,7 @@ class Rendezvous:
             except OSError:
                 return
             if not self._slots.acquire(blocking=False):  # a flood: no thread per connection
-                self.event("control_rejected", peer=f"{addr[0]}:{addr[1]}",
+                self.event(S.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
                            reason=f"more than {MAX_HANDSHAKES} connections at once")  # fmt: skip
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -181,12 +182,12 @@ class Rendezvous:
             self.joined.put(node)
             self.waker.poke()
         except (OSError, ChannelError) as e:
-            self.event("control_rejected", peer=peer, reason=str(e) or type(e).__name__)
+            self.event(S.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__)
             with contextlib.suppress(OSError):
                 sock.close()
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.event("control_rejected", peer=peer, reason=reason)
+        self.event(S.CONTROL_REJECTED, peer=peer, reason=reason)
         say(f"refused a control connection from {peer}: {reason}")
         with contextlib.suppress(OSError):
             send_line(sock, {"refused": reason})

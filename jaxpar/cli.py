@@ -111,6 +111,44 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from jaxpar.sample import sample
+
+    text = sample(
+        args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer,
+    )  # fmt: skip
+    print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jaxpar.export import config_path, export
+
+    meta = export(args.run_dir, args.out)
+    print(
+        f"{args.out}: {meta['parameters']:,} parameters of step {meta['step']}; "
+        f"config in {config_path(args.out)}"
+    )
+    return 0
+
+
+def _add_model_parsers(sub) -> None:
+    sam = sub.add_parser("sample", help="generate text from a run's newest checkpoint (KV cache)")
+    sam.add_argument("run_dir", metavar="RUN_DIR")
+    sam.add_argument("--prompt", required=True, help="text to continue")
+    sam.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the context")
+    sam.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (deterministic)")
+    sam.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    sam.add_argument("--seed", type=int, default=0)
+    sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
+    sam.set_defaults(func=cmd_sample)
+    exp = sub.add_parser("export", help="a run's parameters as safetensors + config JSON")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors")
+    exp.set_defaults(func=cmd_export)
+
+
 def _add_data_parser(sub) -> None:
     data = sub.add_parser("data", help="prepare a text corpus into token shards (docs/data.md)")
     dsub = data.add_subparsers(dest="data_command", required=True)
@@ -323,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
     _add_data_parser(sub)
+    _add_model_parsers(sub)
     return p
 
 

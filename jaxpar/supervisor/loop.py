@@ -279,8 +279,12 @@ class Supervisor:
             f"{out.detail}".rstrip() + why)  # fmt: skip
         log = self._log_of(out.process)
         if log and os.path.exists(log) and out.cause not in ("hang",):
-            with open(log, errors="replace") as f:
-                last = f.readlines()[-12:]
+            try:
+                with open(log, "rb") as f:
+                    f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
+                    last = f.read().decode(errors="replace").splitlines(keepends=True)[-12:]
+            except OSError:
+                return
             say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
 
     def _log_of(self, pid: int | None) -> str | None:

@@ -192,3 +192,31 @@ def test_follower_ignores_a_fake_leader_then_joins_the_real_one(tmp_path):
     assert [s["nproc"] for s in runs[1].events("start")] == [2]
     assert not (run_dir / "launch-token").exists()  # the token came from the environment
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_leader_listens_on_the_coordinator_address_only(tmp_path):
+    import psutil
+
+    port = _free_port()
+    args = [
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--coordinator",
+        f"127.0.0.2:{port}",
+    ]
+    run = Launch(tmp_path / "run", args, fake_cmd(tmp_path, "train", 2))
+    try:
+        deadline = time.time() + 60
+        listening: list = []
+        while not listening:
+            assert time.time() < deadline and run.proc.poll() is None, run.output()
+            conns = psutil.Process(run.proc.pid).net_connections(kind="tcp")
+            listening = [c.laddr for c in conns if c.status == psutil.CONN_LISTEN]
+            time.sleep(0.1)
+        assert [(a.ip, a.port) for a in listening] == [("127.0.0.2", port)]
+    finally:
+        run.close()

@@ -322,9 +322,10 @@ class Supervisor:
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
 
     def _stopped(self) -> list[int]:
-        """Process ids of workers seen stopped (SIGSTOP), on this host."""
-        local = self.nodes[0].stopped()
-        return [p for p, (n, _) in enumerate(self.slots) if n == 0 and p in local]
+        """Process ids of workers seen stopped (SIGSTOP) on any host, in order."""
+        return sorted(
+            {p for node in self.nodes for p in node.stopped()} & set(range(len(self.slots)))
+        )
 
     def _watch(self, nproc: int, mon: Monitor, t_spawn: float, hang: float, startup: float):
         exits: list[tuple[int, int]] = []

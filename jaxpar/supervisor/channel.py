@@ -89,7 +89,7 @@ class Lines:
                 line, self.buf = self.buf.split(b"\n", 1)
                 try:
                     msg = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # not JSON, or nested too deep
                     continue
                 if isinstance(msg, dict):
                     return msg

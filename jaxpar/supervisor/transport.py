@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxpar.runlog import S
 from jaxpar.supervisor.channel import (
     HANDSHAKE_S,
     Channel,
@@ -38,6 +39,7 @@ from jaxpar.supervisor.channel import (
 from jaxpar.supervisor.group import LocalGroup, Wakeup
 from jaxpar.supervisor.options import Options, say
 
+MAX_HANDSHAKES = 32  # connections being admitted at once
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGCONT)  # what a leader may have sent
 
 
@@ -116,6 +118,7 @@ class Rendezvous:
         self.taken: dict[int, RemoteNode] = {}
         self._lock = threading.Lock()
         self.closed = False
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         family = socket.AF_INET6 if ":" in opts.bind else socket.AF_INET
         self.server = socket.create_server((opts.bind, opts.control_port), family=family)
         self.server.settimeout(0.5)
@@ -129,10 +132,21 @@ class Rendezvous:
                 continue
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):  # a flood: no thread per connection
+                self.event(S.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
+                           reason=f"more than {MAX_HANDSHAKES} connections at once")  # fmt: skip
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
             threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
 
     def _admit(self, sock: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            self._handshake(sock, f"{addr[0]}:{addr[1]}")
+        finally:
+            self._slots.release()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
         sock.settimeout(HANDSHAKE_S)
         lines = Lines(sock)
         try:
@@ -146,7 +160,7 @@ class Rendezvous:
             if not isinstance(theirs, str) or not isinstance(hello.get("mac"), str):
                 raise ChannelError("no proof of the token")
             if not hmac.compare_digest(
-                hello["mac"], mac(self.key, "f", nonce, theirs, rank, nproc)
+                hello["mac"].encode(), mac(self.key, "f", nonce, theirs, rank, nproc).encode()
             ):
                 self._refuse(sock, peer, "authentication failed (the agents' tokens differ)")
                 return
@@ -168,12 +182,12 @@ class Rendezvous:
             self.joined.put(node)
             self.waker.poke()
         except (OSError, ChannelError) as e:
-            self.event("control_rejected", peer=peer, reason=str(e) or type(e).__name__)
+            self.event(S.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__)
             with contextlib.suppress(OSError):
                 sock.close()
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.event("control_rejected", peer=peer, reason=reason)
+        self.event(S.CONTROL_REJECTED, peer=peer, reason=reason)
         say(f"refused a control connection from {peer}: {reason}")
         with contextlib.suppress(OSError):
             send_line(sock, {"refused": reason})
@@ -224,7 +238,7 @@ def _connect(opts: Options, key: bytes, waker: Wakeup) -> Channel | str:
                 return reply["refused"][:200]
             proof = reply.get("welcome") if reply else None
             if not isinstance(proof, str) or not hmac.compare_digest(
-                proof, mac(key, "l", nonce, challenge["challenge"])
+                proof.encode(), mac(key, "l", nonce, challenge["challenge"]).encode()
             ):
                 raise ChannelError("the server could not prove the token")
             return Channel(sock, lines, waker)

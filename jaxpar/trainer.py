@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, launch, runlog
+from jaxpar import __version__, compile_cache, contract, launch, runlog
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
 from jaxpar.config import TrainConfig, config_hash, to_dict
@@ -92,11 +92,8 @@ def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
     """Model FLOPs of one optimizer step by the 6*N*T formula (plus attention), where known."""
-    if source.kind == "lm" and hasattr(cfg.model, "flops_per_token"):
-        return cfg.model.flops_per_token() * cfg.data.global_batch * source.seq_len
-    if hasattr(cfg.model, "flops_per_example"):
-        return cfg.model.flops_per_example() * cfg.data.global_batch
-    return None
+    seq = source.seq_len if source.kind == "lm" else 1
+    return contract.flops_per_step(cfg.model, source.kind, cfg.data.global_batch, seq)
 
 
 def setup(
@@ -107,6 +104,7 @@ def setup(
     devices: list | None = None,
 ) -> Session:
     """Build the mesh (over `devices`, default all), data source and program; write config.json."""
+    contract.check_model_config(cfg.model)
     validate_rules(preset.params)
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)

@@ -279,8 +279,12 @@ class Supervisor:
             f"{out.detail}".rstrip() + why)  # fmt: skip
         log = self._log_of(out.process)
         if log and os.path.exists(log) and out.cause not in ("hang",):
-            with open(log, errors="replace") as f:
-                last = f.readlines()[-12:]
+            try:
+                with open(log, "rb") as f:
+                    f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
+                    last = f.read().decode(errors="replace").splitlines(keepends=True)[-12:]
+            except OSError:
+                return
             say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
 
     def _log_of(self, pid: int | None) -> str | None:
@@ -318,9 +322,10 @@ class Supervisor:
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
 
     def _stopped(self) -> list[int]:
-        """Process ids of workers seen stopped (SIGSTOP), on this host."""
-        local = self.nodes[0].stopped()
-        return [p for p, (n, _) in enumerate(self.slots) if n == 0 and p in local]
+        """Process ids of workers seen stopped (SIGSTOP) on any host, in order."""
+        return sorted(
+            {p for node in self.nodes for p in node.stopped()} & set(range(len(self.slots)))
+        )
 
     def _watch(self, nproc: int, mon: Monitor, t_spawn: float, hang: float, startup: float):
         exits: list[tuple[int, int]] = []

@@ -3,6 +3,7 @@ in progress, and the hang decision. Times are the supervisor's clock (hosts' clo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -32,7 +33,8 @@ class Heartbeats:
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
             if os.path.islink(path) or os.path.isfile(path):
-                os.remove(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
     def update(self, now: float) -> None:
         for p in range(self.nproc):

@@ -62,6 +62,7 @@ class RemoteNode:
         self.pending: list[tuple[int, int]] = []
         self.attempt = -1
         self._grace = 0.0
+        self._stopped: list[int] = []
 
     def start(self, spec: dict) -> None:
         self.attempt = int(spec["attempt"])
@@ -75,13 +76,17 @@ class RemoteNode:
             try:
                 if "exit" in msg and _int(msg, "attempt") == self.attempt:  # not a stopped group's
                     self.pending.append((_int(msg, "exit"), _int(msg, "code")))
+                elif "stopped_workers" in msg and _int(msg, "attempt") == self.attempt:
+                    ids = msg["stopped_workers"]
+                    self._stopped = [i for i in ids if type(i) is int] if type(ids) is list else []
             except ChannelError:
                 continue
         out, self.pending = self.pending, []
         return out
 
     def stopped(self) -> list[int]:
-        return []
+        """Process ids the agent last saw stopped (SIGSTOP)."""
+        return list(self._stopped)
 
     def signal(self, sig: int) -> None:
         self.chan.send({"cmd": "signal", "sig": int(sig)})
@@ -294,6 +299,7 @@ def run_follower(opts: Options) -> int:
     group = LocalGroup(opts, waker)
     signal.signal(signal.SIGTERM, lambda *_: group.send(signal.SIGTERM))  # preemption notice
     say(f"node {opts.node_rank}: joined the leader at {opts.coordinator}")
+    stopped: list[int] = []
     try:
         while True:
             for msg in chan.messages():
@@ -309,6 +315,9 @@ def run_follower(opts: Options) -> int:
                     return code
             for pid, code in group.poll():
                 chan.send({"exit": pid, "code": code, "attempt": group.attempt})
+            if (now := group.stopped()) != stopped:  # a hang names a stopped worker
+                stopped = now
+                chan.send({"stopped_workers": now, "attempt": group.attempt})
             waker.wait(opts.poll_s * 5)
     finally:
         group.kill_all()

@@ -369,6 +369,10 @@ def test_channel_lines_drop_malformed_and_bound_size():
         a.sendall(b"not json\n[1, 2]\n" + b"[" * 200_000 + b'\n\xff\xfe\n{"ok": 1}\n')
         lines = Lines(b)
         assert lines.next() == {"ok": 1}  # garbage, a list, deep nesting, bad UTF-8 skipped
+        a.sendall(b"\n" * 1000)
+        with pytest.raises(ChannelError, match="malformed messages in a row"):
+            lines.next()
+        lines.buf = b""
 
         def send_too_much():
             with contextlib.suppress(OSError):  # the reader hangs up first

@@ -74,3 +74,17 @@ def test_user_hooks_are_recorded_and_hashed():
     hashes = {config_hash(base), config_hash(hooked)}
     hashes.add(config_hash(TrainConfig(model=MLPConfig(), rules=(("hidden", "fsdp"),))))
     assert len(hashes) == 3
+
+
+def test_progress_line_shows_the_loss_metrics():
+    import io
+
+    from jaxpar.metrics import Progress
+    from jaxpar.trainer import loss_metrics
+
+    line = {"step": 3, "loss": 0.5, "lr": 0.1, "grad_norm": 2.0, "accuracy": 0.75,
+            "samples_per_s": 10.0, "mfu": None, "time": 1.0}  # fmt: skip
+    assert loss_metrics(line) == {"accuracy": 0.75}
+    out = io.StringIO()
+    Progress(3, enabled=True, stream=out).update(3, 0.5, 10.0, "samples", loss_metrics(line))
+    assert "loss 0.5000 accuracy 0.7500 10 samples/s" in out.getvalue()

@@ -26,10 +26,13 @@ class ModelConfig(Protocol):
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib_text"  # see jaxpar.data.SOURCES
+    # a name in jaxpar.data.SOURCES, MODULE:CALLABLE, or (from a recipe) a source object/factory
+    source: Any = "stdlib_text"
     global_batch: int = 32
     seq_len: int = 64  # lm sources only
     seed: int = 0
+    path: str = ""  # tokens: the folder written by `jaxpar data prepare` (docs/data.md)
+    dtype: str = ""  # tokens: uint16 | uint32; "" = meta.json's (uint16 for nanoGPT's .bin)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,9 @@ def to_dict(cfg: Any) -> dict:
             v = d
         elif isinstance(v, tuple):
             v = list(v)
+        elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
+            t = v if hasattr(v, "__qualname__") else type(v)
+            v = f"{t.__module__}:{t.__qualname__}"
         out[f.name] = v
     return out
 

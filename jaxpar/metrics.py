@@ -1,21 +1,29 @@
 """Run-directory writers (config, metrics, events, summary), progress display, MFU and goodput.
 
-The run-directory contract is in DESIGN.md: metrics.jsonl has one line per optimizer step
-(process 0), events.jsonl one JSON object per line written with a single append, and readers
-take the last metrics line per step (steps after a restored checkpoint appear again).
+The run-directory contract (file names, event names, the JSONL writer and readers) is
+jaxpar/runlog.py's and docs/design.md's: metrics.jsonl has one line per optimizer step (process
+0), events.jsonl one JSON object per line written with a single append, and readers take the last
+metrics line per step (steps after a restored checkpoint appear again).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from jaxpar import runlog
+from jaxpar.runlog import (  # noqa: F401  (re-exported: the writers' and readers' old home)
+    append_line,
+    dumps,
+    last_per_step,
+    read_jsonl,
+    write_json,
+)
 
 # Peak dense bf16 FLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
 PEAK_FLOPS: dict[str, float] = {
@@ -51,60 +59,6 @@ def mfu(flops_per_step: float | None, step_time_s: float, devices: int, peak: fl
     return flops_per_step / step_time_s / (devices * peak)
 
 
-def _json_default(x: Any):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=_json_default, allow_nan=True)
-
-
-def append_line(path: str, obj: dict) -> None:
-    """Append one JSON line with a single write (lines from several processes never interleave)."""
-    data = (dumps(obj) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename): readers never see a half-written file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """All complete lines of a JSONL file ([] if absent); a torn last line is ignored."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def last_per_step(lines: Iterable[dict], key: str = "loss") -> dict[int, dict]:
-    """The last metrics line for each step (restarts re-log steps after the restored one)."""
-    out: dict[int, dict] = {}
-    for line in lines:
-        if key in line and "step" in line:
-            out[int(line["step"])] = line
-    return dict(sorted(out.items()))
-
-
 class RunDir:
     """Paths and writers of one run directory, shared by the supervisor and every process."""
 
@@ -122,7 +76,9 @@ class RunDir:
         return self.process_index == 0
 
     def count_starts(self) -> int:
-        return sum(1 for e in read_jsonl(self.file("events.jsonl")) if e.get("event") == "start")
+        return sum(
+            1 for e in read_jsonl(self.file(runlog.EVENTS)) if e.get("event") == runlog.W.START
+        )
 
     def event(self, event: str, *, all_processes: bool = False, **fields: Any) -> None:
         """Append an event (process 0 only, unless `all_processes`)."""
@@ -131,24 +87,24 @@ class RunDir:
         line = {"event": event, "time": time.time(), "incarnation": self.incarnation, **fields}
         if all_processes:
             line.setdefault("process", self.process_index)
-        append_line(self.file("events.jsonl"), line)
+        append_line(self.file(runlog.EVENTS), line)
 
     def metrics(self, line: dict) -> None:
         if self.is_writer:
-            append_line(self.file("metrics.jsonl"), {**line, "incarnation": self.incarnation})
+            append_line(self.file(runlog.METRICS), {**line, "incarnation": self.incarnation})
 
     def write_incarnation(self) -> None:
         if self.is_writer:
-            with open(self.file("incarnation"), "w") as f:
+            with open(self.file(runlog.INCARNATION), "w") as f:
                 f.write(f"{self.incarnation}\n")
 
     def events(self) -> list[dict]:
-        return read_jsonl(self.file("events.jsonl"))
+        return read_jsonl(self.file(runlog.EVENTS))
 
 
 def summarize(run: RunDir, wall_s: float, restarts: int = 0) -> dict:
-    """summary.json contents from metrics.jsonl and events.jsonl (see DESIGN.md's contract)."""
-    lines = read_jsonl(run.file("metrics.jsonl"))
+    """summary.json contents from metrics.jsonl and events.jsonl (docs/design.md, "Run directory")."""
+    lines = read_jsonl(run.file(runlog.METRICS))
     per_step = last_per_step(lines)
     all_steps = [line for line in lines if "loss" in line]
     productive = sum(line.get("step_time_s", 0.0) for line in per_step.values())
@@ -241,7 +197,7 @@ class TensorBoardWriter:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(
-                logdir=run.file("tensorboard"),
+                logdir=run.file(runlog.TENSORBOARD),
                 flush_secs=flush_secs,
                 filename_suffix=f".inc{run.incarnation}",
             )

@@ -55,6 +55,7 @@ import numpy as np
 
 from jaxpar import compile_cache
 from jaxpar.metrics import RunDir
+from jaxpar.runlog import W
 
 AUTO_BYTES = 256 * 2**20  # per process: above this, snapshot every ceil(bytes / AUTO_BYTES)
 ENV_LOCAL_DIR = "JAXPAR_LOCAL_DIR"
@@ -383,7 +384,7 @@ class LocalTier:
                 return
             except Exception as e:  # noqa: BLE001 - the tier turns off; training goes on
                 self.error = f"{type(e).__name__}: {e}"[:500]
-                self.run.event("snapshot_error", all_processes=True, step=step, error=self.error)
+                self.run.event(W.SNAPSHOT_ERROR, all_processes=True, step=step, error=self.error)
             finally:
                 del tree, item
                 self.stats.write_s += time.time() - t0
@@ -481,10 +482,10 @@ class LocalTier:
             if why is None:
                 out[marker["step"]] = k
             else:
-                self.run.event("snapshot_rejected", all_processes=True, step=marker["step"],
+                self.run.event(W.SNAPSHOT_REJECTED, all_processes=True, step=marker["step"],
                                tier="local", reason=why)  # fmt: skip
         for k in self.own.torn():
-            self.run.event("snapshot_torn", all_processes=True, slot=k, tier="local")
+            self.run.event(W.SNAPSHOT_TORN, all_processes=True, slot=k, tier="local")
         return out
 
     def node_index(self) -> int:
@@ -518,7 +519,7 @@ class LocalTier:
                         "skipped": skipped}  # fmt: skip
                 return got, info
             bad = {q: r["why"] for q, r in enumerate(results) if not r["ok"]}
-            self.run.event("snapshot_rejected", step=step, tier="local", processes=bad)
+            self.run.event(W.SNAPSHOT_REJECTED, step=step, tier="local", processes=bad)
             skipped.append(step)
         return None
 

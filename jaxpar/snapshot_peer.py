@@ -24,9 +24,8 @@ import secrets
 import socket
 import threading
 
-import jax
-
 from jaxpar import snapshot as snap
+from jaxpar.runlog import W
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 IO_TIMEOUT_S = 120.0
@@ -227,7 +226,7 @@ class Peers:
             self._drop_conn()
             if not self._failed:
                 self._failed = True
-                self.tier.run.event("peer_replication_failed", all_processes=True,
+                self.tier.run.event(W.PEER_REPLICATION_FAILED, all_processes=True,
                                     step=marker["step"], peer=self.dest, error=str(e)[:300])  # fmt: skip
 
     # -- restoring ------------------------------------------------------------------------------
@@ -235,7 +234,7 @@ class Peers:
     def fetch(self, step: int) -> tuple[dict | None, bytearray | None]:
         """This process's snapshot of `step` from a process holding its peer copy."""
         me = str(self.tier.process)
-        for q, o in enumerate(self.offers):
+        for o in self.offers:
             if step not in o.get("held", {}).get(me, []):
                 continue
             try:

@@ -20,9 +20,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, launch
+from jaxpar import __version__, compile_cache, launch, runlog, snapshot
 from jaxpar import data as data_lib
-from jaxpar import snapshot
 from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
 from jaxpar.config import TrainConfig, config_hash, to_dict
 from jaxpar.faults import Faults, NonFiniteLoss
@@ -38,6 +37,7 @@ from jaxpar.metrics import (
     write_json,
 )
 from jaxpar.rules import Preset, validate_rules
+from jaxpar.runlog import W
 from jaxpar.step import Program, build_program
 
 
@@ -57,9 +57,38 @@ class Session:
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
+    """The run's data source (`data.source`: a name, MODULE:CALLABLE, or an object)."""
     vocab = getattr(cfg.model, "vocab_size", 256)
     seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
-    return data_lib.make_source(cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed)
+    return data_lib.make_source(
+        cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed, path=cfg.data.path,
+        dtype=cfg.data.dtype,
+    )  # fmt: skip
+
+
+def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
+    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
+    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+        raise ValueError(
+            f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
+            f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
+            "unless model.vocab_size is set)"
+        )
+
+
+def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
+    """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
+
+    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    if not hasattr(cfg.model, "vocab_size"):
+        return cfg
+    source = make_source(cfg)
+    want = getattr(source, "vocab_size", None)
+    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+        check_vocab(cfg, source)
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))
 
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
@@ -83,6 +112,7 @@ def setup(
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
+    check_vocab(cfg, source)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
     run = RunDir(run_dir, jax.process_index(), incarnation)
@@ -90,7 +120,7 @@ def setup(
         resolved = to_dict(cfg)
         resolved["mesh_resolved"] = str(MeshSpec(**dict(mesh.shape)))
         resolved["config_hash"] = config_hash(cfg)
-        write_json(run.file("config.json"), resolved)
+        write_json(run.file(runlog.CONFIG), resolved)
     kind = jax.devices()[0].device_kind
     return Session(
         cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind)
@@ -157,7 +187,7 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
         "mesh": str(MeshSpec(**dict(s.mesh.shape))),
         "nproc": jax.process_count(),
         "jaxpar_version": __version__,
-        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
     }
     ckpt = Checkpointer(
         s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
@@ -220,13 +250,13 @@ def restore_or_init(s: Session, ckpt: Checkpointer, tier: snapshot.LocalTier | N
             state, info = got
             if not replica_mismatches(state, s.mesh):
                 s.run.event(
-                    "restore", step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
+                    W.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
                     to_mesh=ckpt.meta["mesh"], from_nproc=jax.process_count(),
                     to_nproc=jax.process_count(), fetched=info["fetched"],
                     local_skipped=info["skipped"],
                 )  # fmt: skip
                 return state
-            s.run.event("snapshot_rejected", step=info["step"], tier=info["tier"],
+            s.run.event(W.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
                         reason="data-parallel replicas differ")  # fmt: skip
             skipped = [*info["skipped"], info["step"]]
             tier.discard()
@@ -247,9 +277,9 @@ def _restore_persistent(s: Session, ckpt: Checkpointer, local_skipped: list[int]
             lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
             s.program.abstract_state["comm"],
         )
-        s.run.event("comm_state_reset", from_data=old_data, to_data=s.mesh.shape["data"])
+        s.run.event(W.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
     s.run.event(
-        "restore", step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
+        W.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
         to_mesh=ckpt.meta["mesh"], from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
         skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
     )  # fmt: skip
@@ -260,7 +290,7 @@ def _restore_persistent(s: Session, ckpt: Checkpointer, local_skipped: list[int]
 def check_replicas(s: Session, state: dict, when: str) -> None:
     bad = replica_mismatches(state, s.mesh)  # params and optimizer state
     if bad:
-        s.run.event("replica_mismatch", when=when, step=int(state["step"]), params=bad[:20])
+        s.run.event(W.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20])
         raise ReplicaMismatch(
             f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
             f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
@@ -298,14 +328,17 @@ def run(
     Raises Preempted (after a coordinated save), NonFiniteLoss or ReplicaMismatch.
     """
     t_start = time.time()
+    cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
-    compile_cache.configure(os.path.join(run_dir, "compiled") if cfg.run.compile_cache else None)
+    compile_cache.configure(
+        os.path.join(run_dir, runlog.COMPILED) if cfg.run.compile_cache else None
+    )
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None)
     if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
         multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
     s.run.event(
-        "start", nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))),
+        W.START, nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))),
         warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
     )  # fmt: skip
     inject = Faults(parse_faults(list(faults)), s.run, jax.process_index())
@@ -320,10 +353,10 @@ def run(
         copy_program = pool.submit(tier.warm_up) if tier is not None else None
         state = restore_or_init(s, ckpt, tier)
         compiled, seconds = step_program.result()
-        s.run.event("compiled", seconds=seconds, **compile_cache.stats())
+        s.run.event(W.COMPILED, seconds=seconds, **compile_cache.stats())
         if copy_program is not None:
             copy_program.result()
-            s.run.event("local_tier", **tier.describe())
+            s.run.event(W.LOCAL_TIER, **tier.describe())
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
@@ -334,13 +367,13 @@ def run(
             failed = sys.exc_info()[0] is not None
             tier.close(complete=last == cfg.train.steps, failed=failed)
             if not failed:
-                s.run.event("local_tier_stats", all_processes=True, **vars(tier.stats))
+                s.run.event(W.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
         if s.tb:
             s.tb.close()
-    s.run.event("done", step=last, complete=last == cfg.train.steps)
+    s.run.event(W.DONE, step=last, complete=last == cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
-        write_json(s.run.file("summary.json"), summary)
+        write_json(s.run.file(runlog.SUMMARY), summary)
     return summary
 
 
@@ -357,7 +390,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         if stop:
             _save(s, ckpt, state, step, force=True)
             ckpt.wait()
-            kind = "preempted" if stop == "preempted" else "wall_time_limit"
+            kind = W.PREEMPTED if stop == "preempted" else W.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 raise Preempted(f"preempted at step {step}; saved")
@@ -379,7 +412,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0)
         if not np.isfinite(line["loss"]):
-            s.run.event("nonfinite", step=step + 1, loss=line["loss"])
+            s.run.event(W.NONFINITE, step=step + 1, loss=line["loss"])
             raise NonFiniteLoss(step + 1, line["loss"])
         if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
             s.run.metrics(line)
@@ -394,6 +427,18 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
     return max(start, cfg.train.steps)
+
+
+def supervised_layout(cfg: TrainConfig, preset: Preset) -> tuple[TrainConfig, Preset]:
+    """The mesh and microbatches `jaxpar launch` chose after an elastic shrink
+    (JAXPAR_MESH, JAXPAR_MICROBATCHES), over the command line's; the rules tables stay."""
+    mesh, micro = os.environ.get(launch.ENV_MESH), os.environ.get(launch.ENV_MICROBATCHES)
+    if mesh:
+        preset = dataclasses.replace(preset, mesh=MeshSpec.parse(mesh))
+    if micro:
+        train = dataclasses.replace(cfg.train, microbatches=int(micro))
+        cfg = dataclasses.replace(cfg, train=train)
+    return cfg, preset
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

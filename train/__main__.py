@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_recipe(args.recipe)
         cfg = apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides)
+        keys = {o.partition("=")[0].strip() for o in args.overrides}
+        cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
         preset = meshes.resolve(args.mesh if args.mesh is not None else cfg.mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

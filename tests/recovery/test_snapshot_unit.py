@@ -24,14 +24,16 @@ def _mesh():
     return jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _abstract(mesh, w_spec=PartitionSpec(None, "tensor")):
+def _abstract(mesh, w_spec=None):
+    w_spec = PartitionSpec(None, "tensor") if w_spec is None else w_spec
     rep = NamedSharding(mesh, PartitionSpec())
     return {
         "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
         "params": {
             "w": jax.ShapeDtypeStruct((6, 8), jnp.float32, sharding=NamedSharding(mesh, w_spec)),
-            "h": jax.ShapeDtypeStruct((4, 2), jnp.bfloat16,
-                                      sharding=NamedSharding(mesh, PartitionSpec("data"))),
+            "h": jax.ShapeDtypeStruct(
+                (4, 2), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("data"))
+            ),
         },  # fmt: skip
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
     }

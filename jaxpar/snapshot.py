@@ -310,6 +310,7 @@ class LocalTier:
         self.peers = None  # snapshot_peer.Peers once restore() has met the other processes
         self.nodes: list[list[int]] = [[self.process]]  # processes per node, once met
         self._prev: int | None = None  # newest step this incarnation holds committed
+        self._restored: int | None = None  # the step restored: complete everywhere already
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -401,7 +402,7 @@ class LocalTier:
         return out
 
     def _write(self, step: int, tree) -> None:
-        if self._prev is not None:
+        if self._prev is not None and self._prev != self._restored:
             self._wait_others(self._prev)
         chunks = self._chunks(jax.tree.leaves(tree))
         entries, offset = [], 0
@@ -418,6 +419,8 @@ class LocalTier:
         write_data(os.path.join(d, DATA), chunks)
         if self.before_commit is not None:
             self.before_commit(step)
+        if self._stop.is_set():  # the run failed meanwhile: leave this one uncommitted
+            raise _Stopped
         self.own.commit(k, marker)
         self.stats.max_held = max(self.stats.max_held, len(self.own.committed()))
         if self.peers is not None:
@@ -459,8 +462,8 @@ class LocalTier:
             self._stop.set()
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)
-            if not failed:
-                self._thread.join(timeout=60)
+            # after a failure only briefly: the writer stops before its commit marker
+            self._thread.join(timeout=5 if failed else 60)
         if self.peers is not None:
             if complete:
                 self.peers.drop_held()
@@ -565,6 +568,7 @@ class LocalTier:
         if self.peers is not None:
             self.peers.drop_held(keep=step)
         self._prev = step if step is not None and self.own.find(step) is not None else None
+        self._restored = self._prev
 
     def discard(self) -> None:
         """Invalidate everything (a restored snapshot failed a later check)."""

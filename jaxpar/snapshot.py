@@ -311,6 +311,7 @@ class LocalTier:
         self.nodes: list[list[int]] = [[self.process]]  # processes per node, once met
         self._prev: int | None = None  # newest step this incarnation holds committed
         self._restored: int | None = None  # the step restored: complete everywhere already
+        self._older: int | None = None  # the snapshot before _prev (its key is deleted next)
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -429,10 +430,12 @@ class LocalTier:
         client = _kv_client()
         if client is not None:
             client.key_value_set(f"jaxpar/snap/{step}/{self.process}", "1", allow_overwrite=True)
-            if self._prev is not None:
+            # Two back, never one: a slower process may still be waiting for our previous key;
+            # it has passed the wait for the one before (we waited for its commit after it).
+            if self._older is not None:
                 with contextlib.suppress(Exception):
-                    client.key_value_delete(f"jaxpar/snap/{self._prev}/{self.process}")
-        self._prev = step
+                    client.key_value_delete(f"jaxpar/snap/{self._older}/{self.process}")
+        self._older, self._prev = self._prev, step
 
     def _wait_others(self, step: int) -> None:
         """Until every process has committed its snapshot of `step` (own slot + peer copy)."""
@@ -457,8 +460,8 @@ class LocalTier:
         way out): at once. `complete`: the run finished and its final state is in a persistent
         checkpoint, so this process's snapshots (and the peer copies held here) are removed."""
         if self._thread is not None:
-            if not failed and self.error is None:
-                self._idle.wait()
+            if not (failed or complete) and self.error is None:
+                self._idle.wait(timeout=120)  # a stop by wall time: keep the last snapshot
             self._stop.set()
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)

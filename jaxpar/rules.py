@@ -1,6 +1,7 @@
 """Logical axis names -> mesh axes: the rules resolver, presets, validation and activation constraints.
 
-Legend of the logical vocabulary (the only names models may use):
+Legend of the logical vocabulary (names every preset has rules for; a recipe may add rules for
+names of its own model, `TrainConfig.rules`):
 
     batch     examples in a batch            seq       sequence positions
     embed     model width (d_model)          mlp       MLP hidden width
@@ -72,10 +73,16 @@ class Preset:
     extra: dict = field(default_factory=dict, compare=False)
 
 
-def validate_rules(rules: Rules) -> None:
-    """Raise ValueError for an unknown logical name or mesh axis in a rules table."""
+def validate_rules(rules: Rules, *, new_names: bool = False) -> None:
+    """Raise ValueError for an unknown logical name or mesh axis in a rules table.
+
+    `new_names`: the table may introduce logical names outside VOCAB (a recipe's rules for its
+    own model's names); its mesh axes are still checked.
+    """
     for logical, axes in rules:
-        if logical not in VOCAB:
+        if not isinstance(logical, str):
+            raise ValueError(f"rule ({logical!r}, {axes!r}): the logical name must be a string")
+        if logical not in VOCAB and not new_names:
             raise ValueError(
                 f"rule ({logical!r}, {axes!r}): unknown logical axis; use one of {VOCAB}"
             )
@@ -102,8 +109,11 @@ def logical_to_spec(
     used: set[str] = set(exclude)
     out: list[str | tuple[str, ...] | None] = []
     for name in logical:
-        if name is not None and name not in VOCAB:
-            raise ValueError(f"unknown logical axis {name!r}; the vocabulary is {VOCAB}")
+        if name is not None and name not in VOCAB and all(r[0] != name for r in rules):
+            raise ValueError(
+                f"unknown logical axis {name!r}; the vocabulary is {VOCAB}, or give the recipe a "
+                f"rule for it (TrainConfig.rules, e.g. ({name!r}, 'tensor'))"
+            )
         chosen: tuple[str, ...] = ()
         for rule_name, axes in rules:
             if rule_name != name:

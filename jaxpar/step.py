@@ -19,23 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import model as model_lib
 from jaxpar.config import OptimConfig, TrainConfig
 from jaxpar.mesh import BATCH_AXES, batch_parallel_size
+from jaxpar.model import STATE_KEY, ModelDef
 from jaxpar.parallel import plan
-from jaxpar.parallel.base import Context, merge
+from jaxpar.parallel.base import Context
 from jaxpar.precision import FP32, Policy, policy
-from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding
-
-# Annotated models are built under eval_shape / jit with explicit out_shardings: the eager
-# per-variable sharding of recent Flax would need a mesh at construction and add nothing.
-flax.config.update("flax_always_shard_variable", False)
+from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding, validate_rules
+from jaxpar.task import LossFn, check_output, loss_for
 
 BATCH_LOGICAL = {
     "inputs": ("batch", "seq"),
@@ -43,6 +41,23 @@ BATCH_LOGICAL = {
     "image": ("batch", "height", "width", None),
     "label": ("batch",),
 }
+
+
+def optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, Callable | None]:
+    """(transformation, learning-rate schedule or None): the recipe's own optax transformation
+    (TrainConfig.optimizer: a GradientTransformation, or total_steps -> one), else `optim`'s."""
+    custom = cfg.optimizer
+    if custom is None:
+        return make_optimizer(cfg.optim, cfg.train.steps)
+    tx = custom
+    if not isinstance(tx, optax.GradientTransformation) and callable(tx):
+        tx = tx(cfg.train.steps)
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ValueError(
+            f"TrainConfig.optimizer is a {type(custom).__name__}; give an optax "
+            f"GradientTransformation (or a function total_steps -> one), or None for `optim`"
+        )
+    return tx, None
 
 
 def make_optimizer(
@@ -72,6 +87,8 @@ class Program:
     mesh: Mesh
     graphdef: Any
     param_template: Any  # abstract nnx.State of the model's parameters
+    model: ModelDef  # the abstract model: parameters, non-parameter state, rng streams
+    loss: LossFn  # loss(model, batch, rngs) -> (loss, metrics): the recipe's or built in
     state_shardings: dict
     batch_shardings: dict
     abstract_state: dict  # ShapeDtypeStructs carrying the target shardings
@@ -79,7 +96,7 @@ class Program:
     init: Callable[[], dict]
     train_step: Callable[[dict, dict], tuple[dict, dict]]
     eval_step: Callable[[dict, dict], dict]
-    schedule: Callable
+    schedule: Callable | None  # learning rate by step (None: the recipe's own optimizer)
     task: str
     # DiLoCo / local SGD (jaxpar/parallel/diloco.py): state -> state, run after every
     # `sync_every` steps
@@ -103,7 +120,8 @@ def param_logical_axes(param_template: nnx.State) -> dict:
 
 
 def param_shardings(param_template: nnx.State, rules: Rules, mesh: Mesh) -> dict:
-    """Validated NamedSharding per parameter (pure dict), from its logical names and the rules."""
+    """Validated NamedSharding per variable (pure dict), from its logical names and the rules
+    (parameters, and the model's other state alike)."""
 
     def one(path, v):
         names = v.get_metadata().get("out_sharding")
@@ -138,17 +156,6 @@ def check_batch(global_batch: int, microbatches: int, mesh: Mesh) -> None:
         )
 
 
-def _loss(task: str, model: Any, batch: dict, key: jax.Array | None) -> tuple[jax.Array, dict]:
-    if task == "lm":
-        logits_BTV = model(batch["inputs"], key).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-        return loss.mean(), {}
-    logits_BC = model(batch["image"], key).astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["label"]).mean()
-    accuracy = (jnp.argmax(logits_BC, -1) == batch["label"]).mean()
-    return loss, {"accuracy": accuracy}
-
-
 def build_program(
     cfg: TrainConfig, mesh: Mesh, param_rules: Rules, act_rules: Rules, batch_spec: dict, task: str
 ) -> Program:
@@ -161,14 +168,17 @@ def build_program(
     m = cfg.train.microbatches
     check_batch(cfg.data.global_batch, m, mesh)
     seed = cfg.train.seed
-    graphdef, template = abstract_model(cfg)
+    param_rules, act_rules = with_recipe_rules(cfg, param_rules, act_rules)
+    mdef = model_lib.abstract(cfg.model, seed)
+    template = mdef.params
     prec = policy(cfg.precision)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    tx, schedule = optimizer(cfg)
+    loss = loss_for(cfg.loss, task)
     replicated = NamedSharding(mesh, PartitionSpec())
     ctx = Context(
-        cfg=cfg, mesh=mesh, act_rules=act_rules, graphdef=graphdef, template=template, prec=prec,
-        tx=tx, schedule=schedule, task=task,
-        value_and_grad=make_value_and_grad(graphdef, template, task, prec),
+        cfg=cfg, mesh=mesh, act_rules=act_rules, model=mdef, prec=prec, tx=tx,
+        schedule=schedule, task=task, custom_loss=cfg.loss is not None,
+        value_and_grad=make_value_and_grad(mdef, loss, prec),
         param_shardings=param_shardings(template, param_rules, mesh),
         abstract_params=jax.tree.map(
             lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), _pure(template)
@@ -179,19 +189,23 @@ def build_program(
         "step": replicated, "params": ctx.param_shardings, "rng": replicated,
         **strategy.state_shardings(),
     }  # fmt: skip
+    if mdef.has_state:
+        state_sh[STATE_KEY] = param_shardings(mdef.state, param_rules, mesh)
     b_sh = batch_shardings(batch_spec, act_rules, mesh)
 
     def init():
-        model = cfg.model.build(nnx.Rngs(params=seed))
-        params = _pure(nnx.state(model, nnx.Param))
+        params, mstate = model_lib.split_values(model_lib.build(cfg.model, seed))
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0x5EED))
-        return strategy.init_state({"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng})
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng}
+        if mdef.has_state:
+            state[STATE_KEY] = mstate
+        return strategy.init_state(state)
 
     def train_step(state, batch, poison):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         return strategy.step(state, batch, key, poison)
 
-    eval_step = make_eval_step(graphdef, template, mesh, act_rules, task, prec)
+    eval_step = make_eval_step(mdef, loss, mesh, act_rules, prec)
     sync = None
     if strategy.sync_every:
         sync = jax.jit(strategy.sync_step, in_shardings=(state_sh,), out_shardings=state_sh,
@@ -203,7 +217,8 @@ def build_program(
     # Metrics with a per-replica dimension (DiLoCo) keep their sharding: none is forced.
     metrics_sh = replicated if strategy.metrics_replicated else None
     return Program(
-        mesh=mesh, graphdef=graphdef, param_template=template, state_shardings=state_sh,
+        mesh=mesh, graphdef=mdef.graphdef, param_template=template, model=mdef, loss=loss,
+        state_shardings=state_sh,
         batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
         init=jax.jit(init, out_shardings=state_sh),
         train_step=jax.jit(
@@ -216,33 +231,49 @@ def build_program(
     )  # fmt: skip
 
 
+def with_recipe_rules(cfg: TrainConfig, param_rules: Rules, act_rules: Rules) -> tuple:
+    """The preset's rules followed by the recipe's own (TrainConfig.rules), which may name
+    logical axes outside jaxpar's vocabulary (for the recipe's model)."""
+    extra = tuple(tuple(r) for r in cfg.rules)
+    if not extra:
+        return param_rules, act_rules
+    validate_rules(extra, new_names=True)
+    return (*param_rules, *extra), (*act_rules, *extra)
+
+
 def abstract_model(cfg: TrainConfig) -> tuple[Any, nnx.State]:
     """(graphdef, abstract parameter state) of the model, built under eval_shape."""
-    abs_model = nnx.eval_shape(lambda: cfg.model.build(nnx.Rngs(params=cfg.train.seed)))
-    graphdef, template, rest = nnx.split(abs_model, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("the model holds non-parameter state; jaxpar trains nnx.Param state only")
-    return graphdef, template
+    mdef = model_lib.abstract(cfg.model, cfg.train.seed)
+    return mdef.graphdef, mdef.params
 
 
-def make_loss(graphdef, template: nnx.State, task: str, prec: Policy = FP32) -> Callable:
-    """(params, batch, key) -> (loss, aux) of the model rebuilt from `params`, computed in the
-    policy's dtype. Differentiated, the cast is part of the function: gradients come back
-    float32, like the parameters (jaxpar/precision.py)."""
+def make_loss(mdef: ModelDef, loss: LossFn, prec: Policy = FP32, *, training: bool = True):
+    """(params, model_state, batch, key) -> (loss, (metrics, model_state)) of the model rebuilt
+    from `params` and its state, computed in the policy's dtype. Differentiated, the cast is part
+    of the function: gradients come back float32, like the parameters (jaxpar/precision.py).
 
-    def loss_fn(params, batch, key):
-        model = merge(graphdef, template, prec.cast(params))
-        return _loss(task, model, prec.cast(batch), key)
+    Training: `model.train()`, rng streams and the loss's `rngs` keyed by `key`. Evaluation
+    (`training=False`): `model.eval()`, the built-in tasks get no key (no dropout).
+    """
+    builtin = loss.__module__ == "jaxpar.task"
+
+    def loss_fn(params, mstate, batch, key):
+        model = model_lib.rebuild(mdef, prec.cast(params), mstate, key)
+        model.train() if training else model.eval()
+        rngs = nnx.Rngs(key) if key is not None else None if builtin else nnx.Rngs(0)
+        value, metrics = check_output(loss(model, prec.cast(batch), rngs), "the loss")
+        return value, (metrics, model_lib.new_state(mdef, model) if training else mstate)
 
     return loss_fn
 
 
-def make_value_and_grad(graphdef, template: nnx.State, task: str, prec: Policy = FP32) -> Callable:
-    """(params, batch, key) -> ((loss, aux), grads) with respect to the float32 params."""
-    loss_fn = make_loss(graphdef, template, task, prec)
+def make_value_and_grad(mdef: ModelDef, loss: LossFn, prec: Policy = FP32) -> Callable:
+    """(params, model_state, batch, key) -> ((loss, (metrics, model_state)), grads) with respect
+    to the float32 params."""
+    loss_fn = make_loss(mdef, loss, prec)
 
-    def value_and_grad(params, batch, key):
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, key)
+    def value_and_grad(params, mstate, batch, key):
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, mstate, batch, key)
 
     return value_and_grad
 
@@ -251,11 +282,11 @@ def saved_for_backward_bytes(cfg: TrainConfig, program: Program, batch_spec: dic
     """Bytes the backward pass keeps from the forward for one global batch (the residuals of the
     loss's VJP, found abstractly, before XLA fuses anything; weights included). What
     rematerialisation shrinks, on any backend."""
-    loss_fn = make_loss(program.graphdef, program.param_template, program.task,
-                        policy(cfg.precision))  # fmt: skip
+    loss_fn = make_loss(program.model, program.loss, policy(cfg.precision))
+    mstate = program.abstract_state.get(STATE_KEY, {})
 
     def residuals(params, batch):
-        return jax.vjp(lambda p: loss_fn(p, batch, None)[0], params)[1]
+        return jax.vjp(lambda p: loss_fn(p, mstate, batch, None)[0], params)[1]
 
     abs_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), program.abstract_state["params"]
@@ -263,16 +294,15 @@ def saved_for_backward_bytes(cfg: TrainConfig, program: Program, batch_spec: dic
     return param_bytes(jax.eval_shape(residuals, abs_params, batch_spec))
 
 
-def make_eval_step(
-    graphdef, template: nnx.State, mesh: Mesh, act_rules: Rules, task: str, prec: Policy = FP32
-):
-    """(state, batch) -> {"loss", ...aux} on `state["params"]`, no dropout, same precision."""
+def make_eval_step(mdef: ModelDef, loss: LossFn, mesh: Mesh, act_rules: Rules, prec: Policy = FP32):
+    """(state, batch) -> {"loss", ...metrics} on the state's params and model state, in
+    evaluation mode (no dropout), same precision."""
+    loss_fn = make_loss(mdef, loss, prec, training=False)
 
     def eval_step(state, batch):
         with activation_rules(mesh, act_rules):
-            model = merge(graphdef, template, prec.cast(state["params"]))
-            loss, aux = _loss(task, model, prec.cast(batch), None)
-        return {"loss": loss, **aux}
+            value, (metrics, _) = loss_fn(state["params"], state.get(STATE_KEY, {}), batch, None)
+        return {"loss": value, **metrics}
 
     return eval_step
 

@@ -12,7 +12,9 @@ builds the Program around it. What a strategy provides:
     step(state, batch, key, poison) -> (state, metrics)   default: gradients + optimizer update
     sync_step / sync_every   an optional state -> state program run every `sync_every` steps
 
-Everything a strategy needs of the model and config is in its `Context`, built once.
+`extra` holds the state entries the strategy updates besides params and opt: its own
+(`extra_keys`) and the model's non-parameter state (`model_state`, jaxpar/model.py) when the
+model has any. Everything a strategy needs of the model and config is in its `Context`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig
 from jaxpar.mesh import DATA
+from jaxpar.model import STATE_KEY, ModelDef
 from jaxpar.precision import Policy
 from jaxpar.rules import Rules, activation_rules
 
@@ -43,15 +46,25 @@ class Context:
     cfg: TrainConfig
     mesh: Mesh
     act_rules: Rules
-    graphdef: Any
-    template: nnx.State  # the model's abstract parameter state
+    model: ModelDef  # the abstract model: graph, params, state, rng streams
     prec: Policy
     tx: optax.GradientTransformation
-    schedule: Callable
+    schedule: Callable | None  # the learning rate by step, when the optimizer is jaxpar's
     task: str
-    value_and_grad: Callable  # (params, batch, key) -> ((loss, aux), grads)
+    custom_loss: bool  # the recipe supplies the loss (TrainConfig.loss)
+    # (params, model_state, batch, key) -> ((loss, (aux, model_state)), grads)
+    value_and_grad: Callable
     param_shardings: dict  # pure dict of NamedShardings
     abstract_params: dict  # pure dict of ShapeDtypeStructs
+
+    @property
+    def graphdef(self) -> Any:
+        return self.model.graphdef
+
+    @property
+    def template(self) -> nnx.State:
+        """The model's abstract parameter state."""
+        return self.model.params
 
     @property
     def microbatches(self) -> int:
@@ -86,6 +99,11 @@ class Strategy:
     def __init__(self, ctx: Context):
         self.ctx = ctx
 
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Entries handed to `gradients` as `extra`: the strategy's and the model's state."""
+        return self.extra_keys + ((STATE_KEY,) if self.ctx.model.has_state else ())
+
     def state_shardings(self) -> dict:
         return {"opt": self.ctx.opt_shardings(self.ctx.tx)}
 
@@ -93,25 +111,33 @@ class Strategy:
         return {**state, "opt": self.ctx.tx.init(state["params"])}
 
     def gradients(self, params: dict, batch: dict, key: jax.Array, extra: dict):
-        loss, aux, grads = accumulate(self.ctx.value_and_grad, params, batch, key,
-                                      self.ctx.microbatches)  # fmt: skip
-        return loss, aux, grads, extra
+        loss, aux, grads, mstate = accumulate(
+            self.ctx.value_and_grad, params, model_state(extra), batch, key, self.ctx.microbatches
+        )
+        return loss, aux, grads, with_model_state(extra, mstate)
 
     def step(self, state: dict, batch: dict, key: jax.Array, poison: jax.Array):
         ctx = self.ctx
-        extra = {k: state[k] for k in self.extra_keys}
+        extra = {k: state[k] for k in self.state_keys}
         with activation_rules(ctx.mesh, ctx.act_rules):
             loss, aux, grads, extra = self.gradients(state["params"], batch, key, extra)
         loss, grads = poisoned(poison, loss, grads)
         updates, opt = ctx.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {
-            "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "lr": ctx.schedule(state["step"]),
-        }
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if ctx.schedule is not None:
+            metrics["lr"] = ctx.schedule(state["step"])
         new = {**state, "step": state["step"] + 1, "params": params, "opt": opt, **extra}
         return new, {**metrics, **aux}
+
+
+def model_state(extra: dict) -> dict:
+    """The model's non-parameter state among a strategy's `extra` entries ({} without any)."""
+    return extra.get(STATE_KEY, {})
+
+
+def with_model_state(extra: dict, mstate: dict) -> dict:
+    return {**extra, STATE_KEY: mstate} if STATE_KEY in extra else extra
 
 
 def poisoned(poison: jax.Array, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
@@ -137,36 +163,51 @@ def join_microbatches(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
-def accumulate(value_and_grad: Callable, params: dict, batch: dict, key, m: int):
-    """Mean loss, aux and gradients over m microbatches (a scan: one microbatch live at a time)."""
+def accumulate(value_and_grad: Callable, params: dict, mstate: dict, batch: dict, key, m: int):
+    """Mean loss, aux and gradients over m microbatches (a scan: one microbatch live at a time),
+    and the model state after the last (each microbatch updates it in turn)."""
     if m == 1:
-        (loss, aux), grads = value_and_grad(params, batch, key)
-        return loss, aux, grads
+        (loss, (aux, mstate)), grads = value_and_grad(params, mstate, batch, key)
+        return loss, aux, grads, mstate
     mbs = split_microbatches(batch, m)
 
     def body(carry, i):
+        total, mstate = carry
         mb = jax.tree.map(lambda x: x[i], mbs)
-        (loss, aux), grads = value_and_grad(params, mb, jax.random.fold_in(key, i))
-        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+        (loss, (aux, mstate)), grads = value_and_grad(
+            params, mstate, mb, jax.random.fold_in(key, i)
+        )
+        return (jax.tree.map(jnp.add, total, (loss, aux, grads)), mstate), None
 
-    (loss, aux), g0 = jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], mbs), key)
+    mb0 = jax.tree.map(lambda x: x[0], mbs)
+    (loss, (aux, _)), g0 = jax.eval_shape(value_and_grad, params, mstate, mb0, key)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, g0))
-    total, _ = jax.lax.scan(body, zeros, jnp.arange(m))
-    return jax.tree.map(lambda x: x / m, total)
+    (total, mstate), _ = jax.lax.scan(body, (zeros, mstate), jnp.arange(m))
+    return (*jax.tree.map(lambda x: x / m, total), mstate)
 
 
 # ---- a shard_map manual over `data` ------------------------------------------------------------
 
 
-def replica_gradients(ctx: Context, params: dict, batch: dict, key: jax.Array):
-    """(loss, aux, grads) of this data replica's rows, accumulated over its microbatches.
+def replica_gradients(ctx: Context, params: dict, mstate: dict, batch: dict, key: jax.Array):
+    """(loss, aux, grads, model state) of this data replica's rows, accumulated over its
+    microbatches.
 
     Called inside `over_data`: the key folds in the replica index and activation constraints
-    leave the manual `data` axis alone. Nothing is reduced across replicas here.
+    leave the manual `data` axis alone. Loss, aux and gradients are not reduced across replicas
+    here; the model state's floating leaves (e.g. batch statistics, computed on this replica's
+    rows) are averaged over `data`, so every replica keeps the same state.
     """
     key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
     with activation_rules(ctx.mesh, ctx.act_rules, manual=(DATA,)):
-        return accumulate(ctx.value_and_grad, params, batch, key, ctx.microbatches)
+        loss, aux, grads, mstate = accumulate(
+            ctx.value_and_grad, params, mstate, batch, key, ctx.microbatches
+        )
+
+    def mean(x):
+        return jax.lax.pmean(x, DATA) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return loss, aux, grads, jax.tree.map(mean, mstate)
 
 
 def over_data(ctx: Context, local: Callable, in_specs: tuple, out_specs: Any) -> Callable:
@@ -183,7 +224,7 @@ def over_data(ctx: Context, local: Callable, in_specs: tuple, out_specs: Any) ->
 
 
 def merge(graphdef: Any, template: nnx.State, pure: dict) -> Any:
-    """The model rebuilt from a pure dict of its state (fresh Variables: `template` untouched)."""
+    """A (sub)model rebuilt from a pure dict of its parameters (`template` untouched)."""
     state = jax.tree.map(lambda x: x, template)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)

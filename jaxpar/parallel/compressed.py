@@ -14,7 +14,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.mesh import DATA
-from jaxpar.parallel.base import REP, ROWS, Context, Strategy, over_data, replica_gradients
+from jaxpar.parallel.base import (
+    REP,
+    ROWS,
+    Context,
+    Strategy,
+    model_state,
+    over_data,
+    replica_gradients,
+    with_model_state,
+)
 
 COMPRESS = ("none", "bf16", "int8")
 INT8_BLOCK = 256  # values per int8 scale: small blocks keep one outlier from flattening the rest
@@ -96,14 +105,14 @@ class Compressed(Strategy):
         super().__init__(ctx)
         kind, n = ctx.cfg.comm.compress, ctx.mesh.shape[DATA]
 
-        def local(params, batch, key, residual):
-            loss, aux, grads = replica_gradients(ctx, params, batch, key)
+        def local(params, mstate, batch, key, residual):
+            loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
             residual = jax.tree.map(lambda r: r[0], residual)
             grads, residual = compressed_mean(grads, residual, kind, DATA, n)
             loss, aux = jax.lax.pmean((loss, aux), DATA)
-            return loss, aux, grads, jax.tree.map(lambda r: r[None], residual)
+            return loss, aux, grads, mstate, jax.tree.map(lambda r: r[None], residual)
 
-        self._grads = over_data(ctx, local, (REP, ROWS, REP, ROWS), (REP, REP, REP, ROWS))
+        self._grads = over_data(ctx, local, (REP, REP, ROWS, REP, ROWS), (REP, REP, REP, REP, ROWS))
 
     def state_shardings(self) -> dict:
         # per-replica error-feedback residuals: [data, *param shape]
@@ -119,5 +128,7 @@ class Compressed(Strategy):
         return {**super().init_state(state), "comm": comm}
 
     def gradients(self, params, batch, key, extra):
-        loss, aux, grads, comm = self._grads(params, batch, key, extra["comm"])
-        return loss, aux, grads, {"comm": comm}
+        loss, aux, grads, mstate, comm = self._grads(
+            params, model_state(extra), batch, key, extra["comm"]
+        )
+        return loss, aux, grads, with_model_state({**extra, "comm": comm}, mstate)

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig
 from jaxpar.mesh import DATA
+from jaxpar.model import STATE_KEY
 from jaxpar.parallel.base import (
     REP,
     ROWS,
@@ -79,9 +80,16 @@ class DiLoCo(Strategy):
         }  # fmt: skip
 
     def step(self, state, batch, key, poison):
-        replicas, opt, metrics = self._inner(state["replicas"], state["opt"], batch, key, poison)
-        metrics["lr"] = self.ctx.schedule(state["step"])
-        return {**state, "step": state["step"] + 1, "replicas": replicas, "opt": opt}, metrics
+        mstate = state.get(STATE_KEY, {})
+        replicas, opt, mstate, metrics = self._inner(
+            state["replicas"], state["opt"], mstate, batch, key, poison
+        )
+        if self.ctx.schedule is not None:
+            metrics["lr"] = self.ctx.schedule(state["step"])
+        new = {**state, "step": state["step"] + 1, "replicas": replicas, "opt": opt}
+        if STATE_KEY in state:  # the model's state is shared: averaged over replicas each step
+            new[STATE_KEY] = mstate
+        return new, metrics
 
     def sync_step(self, state: dict) -> dict:
         """Average the replicas, an outer step on the anchor, every replica reset to it."""
@@ -96,15 +104,18 @@ class DiLoCo(Strategy):
         """One optimizer step on every replica's own rows; no collective crosses `data`."""
         ctx = self.ctx
 
-        def local(replicas, opt, batch, key, poison):
+        def local(replicas, opt, mstate, batch, key, poison):
             params = jax.tree.map(lambda r: r[0], replicas)
             opt = jax.tree.map(lambda o: o[0] if o.ndim else o, opt)
-            loss, aux, grads = replica_gradients(ctx, params, batch, key)
+            loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
             loss, grads = poisoned(poison, loss, grads)
             updates, opt = ctx.tx.update(grads, opt, params)
             params = optax.apply_updates(params, updates)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
             add = lambda x: x[None]  # noqa: E731
-            return jax.tree.map(add, params), jax.tree.map(add, opt), jax.tree.map(add, metrics)
+            return (
+                jax.tree.map(add, params), jax.tree.map(add, opt), mstate,
+                jax.tree.map(add, metrics),
+            )  # fmt: skip
 
-        return over_data(ctx, local, (ROWS, ROWS, ROWS, REP, REP), (ROWS, ROWS, ROWS))
+        return over_data(ctx, local, (ROWS, ROWS, REP, ROWS, REP, REP), (ROWS, ROWS, REP, ROWS))

@@ -10,7 +10,16 @@ from __future__ import annotations
 import jax
 
 from jaxpar.mesh import DATA
-from jaxpar.parallel.base import REP, ROWS, Context, Strategy, over_data, replica_gradients
+from jaxpar.parallel.base import (
+    REP,
+    ROWS,
+    Context,
+    Strategy,
+    model_state,
+    over_data,
+    replica_gradients,
+    with_model_state,
+)
 
 
 class ManualData(Strategy):
@@ -19,11 +28,12 @@ class ManualData(Strategy):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
 
-        def local(params, batch, key):
-            return jax.lax.pmean(replica_gradients(ctx, params, batch, key), DATA)
+        def local(params, mstate, batch, key):
+            loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
+            return (*jax.lax.pmean((loss, aux, grads), DATA), mstate)
 
-        self._grads = over_data(ctx, local, (REP, ROWS, REP), REP)
+        self._grads = over_data(ctx, local, (REP, REP, ROWS, REP), REP)
 
     def gradients(self, params, batch, key, extra):
-        loss, aux, grads = self._grads(params, batch, key)
-        return loss, aux, grads, extra
+        loss, aux, grads, mstate = self._grads(params, model_state(extra), batch, key)
+        return loss, aux, grads, with_model_state(extra, mstate)

@@ -303,6 +303,17 @@ class Pipeline(Strategy):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
+        if ctx.model.has_state or ctx.model.has_streams:
+            raise ValueError(
+                f"pipeline > 1 trains models whose variables are all nnx.Param (and that take "
+                f"their key explicitly); this one also holds {ctx.model.state_paths()[:3] or 'rng streams'}: "
+                f"use a mesh with pipeline=1"
+            )
+        if ctx.custom_loss:
+            raise ValueError(
+                "pipeline > 1 computes the causal-LM loss itself, stage by stage; a recipe's "
+                "TrainConfig.loss needs a mesh with pipeline=1"
+            )
         self._grads = pipeline_grads(ctx)
 
     def gradients(self, params, batch, key, extra):

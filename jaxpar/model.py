@@ -1,0 +1,142 @@
+"""How the engine runs a model: its variables split three ways, rebuilt inside traced code.
+
+    params  nnx.Param                  trained by the optimizer (train state "params")
+    state   every other nnx.Variable   BatchNorm batch_stats, counters, ... (train state
+            except RNG state           "model_state", present only when the model has any):
+                                       updated by the step, sharded by the same rules as the
+                                       parameters, checkpointed and restored like them
+    rngs    nnx.RngState               the key and count of each stream the model declares (e.g.
+                                       `dropout`). Not carried: every step reseeds each stream
+                                       from the step's key (train.seed, step, microbatch, data
+                                       replica) folded with the stream's name, so a resumed run
+                                       draws the same numbers
+
+Models are built with `nnx.Rngs(train.seed, params=train.seed)` (streams other than `params`,
+such as `dropout`, fall back to the default stream) and with Flax's eager variable sharding off
+for the build only: jaxpar shards the state itself from the logical names (`out_sharding`
+metadata, as `nnx.with_partitioning` writes it) and the rules.
+
+Calling convention: a model whose `__call__` has a parameter named `key` (jaxpar's own models)
+gets the step's key there (None in evaluation); any other model is called with its inputs only
+and draws from its streams. Training calls `model.train()` first, evaluation `model.eval()`
+(Dropout off, BatchNorm on its running averages).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+STATE_KEY = "model_state"  # the train-state entry of the non-parameter state
+STATE_FILTER = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+def build(model_cfg: Any, seed: int) -> nnx.Module:
+    """The model from its config (Flax's eager sharding off while it is built)."""
+    with nnx.use_eager_sharding(False):
+        return model_cfg.build(nnx.Rngs(seed, params=seed))
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """The abstract model: its graph and the abstract state of each group."""
+
+    graphdef: Any
+    params: nnx.State
+    state: nnx.State
+    rngs: nnx.State
+    takes_key: bool  # __call__(inputs, key): the step's key is passed explicitly
+
+    @property
+    def has_state(self) -> bool:
+        return bool(jax.tree.leaves(self.state))
+
+    @property
+    def has_streams(self) -> bool:
+        return bool(jax.tree.leaves(self.rngs))
+
+    def state_paths(self) -> list[str]:
+        """Paths of the non-parameter variables with their types (for error messages)."""
+        leaves = jax.tree_util.tree_leaves_with_path(
+            self.state, is_leaf=lambda v: isinstance(v, nnx.Variable)
+        )
+        return [f"{jax.tree_util.keystr(p)} ({type(v).__name__})" for p, v in leaves]
+
+
+def abstract(model_cfg: Any, seed: int) -> ModelDef:
+    """The model built under eval_shape and split into params / state / rng streams."""
+    model = nnx.eval_shape(lambda: build(model_cfg, seed))
+    graphdef, params, rngs, state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    return ModelDef(graphdef, params, state, rngs, takes_key(model))
+
+
+def takes_key(model: Any) -> bool:
+    """Whether the model's __call__ has a parameter named `key` (jaxpar's explicit-key models)."""
+    try:
+        params = inspect.signature(type(model).__call__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "key" in params
+
+
+def split_values(model: nnx.Module) -> tuple[dict, dict]:
+    """(params, state) of a concrete model, as pure dicts."""
+    _, params, _, state = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(state)
+
+
+def _filled(template: nnx.State, pure: dict) -> nnx.State:
+    state = jax.tree.map(lambda x: x, template)  # fresh Variables: never mutate the template
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def stream_keys(mdef: ModelDef, key: jax.Array | None) -> dict:
+    """Pure dict of the rng streams' keys and counts for one step: each stream keyed by
+    fold_in(key, crc32(stream name)), counts 0 (a fixed key when `key` is None)."""
+    base = jax.random.key(0) if key is None else key
+
+    def one(v):
+        if isinstance(v, nnx.RngCount):
+            return jnp.zeros(v.shape, v.dtype)
+        k = jax.random.fold_in(base, zlib.crc32(str(v.tag).encode()) & 0x7FFFFFFF)
+        if v.shape:
+            k = jax.random.split(k, math.prod(v.shape)).reshape(v.shape)
+        return k
+
+    out = jax.tree.map(one, mdef.rngs, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(out) if isinstance(out, nnx.State) else out
+
+
+def rebuild(mdef: ModelDef, params: dict, state: dict | None, key: jax.Array | None) -> Any:
+    """The model from pure dicts of its params and state, its streams reseeded from `key`."""
+    parts = [_filled(mdef.params, params)]
+    if mdef.has_streams:
+        parts.append(_filled(mdef.rngs, stream_keys(mdef, key)))
+    if mdef.has_state:
+        parts.append(_filled(mdef.state, state))
+    return nnx.merge(mdef.graphdef, *parts)
+
+
+def new_state(mdef: ModelDef, model: nnx.Module) -> dict:
+    """The model's non-parameter state after a call, in the dtypes of the train state."""
+    if not mdef.has_state:
+        return {}
+    out = nnx.to_pure_dict(nnx.state(model, STATE_FILTER))
+    ref = nnx.to_pure_dict(mdef.state)
+    return jax.tree.map(lambda x, r: x.astype(r.dtype), out, ref)
+
+
+def apply(model: Any, inputs: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+    """`model(inputs, key)` for a model that takes a key (the key of `rngs`' default stream,
+    None without `rngs`), else `model(inputs)`."""
+    if takes_key(model):
+        return model(inputs, None if rngs is None else rngs.default.key[...])
+    return model(inputs)

@@ -313,6 +313,7 @@ def run(
         state = restore_or_init(s, ckpt)
         compiled, seconds = step_program.result()
         s.run.event(W.COMPILED, seconds=seconds, **compile_cache.stats())
+        launch.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
     finally:

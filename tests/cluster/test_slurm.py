@@ -129,7 +129,8 @@ def test_sbatch_scancel_term_saves_requeues_and_finishes(slurm, reference, tmp_p
     (step,) = {e["step"] for e in preempted}  # every process saved at the same step
     assert sorted(e["process"] for e in preempted) == [0, 1, 2, 3]
     assert step < STEPS
-    assert (run_dir / "checkpoints" / str(step)).is_dir()
+    saved = [e["step"] for e in events(run_dir, "save_end", incarnation=0)]
+    assert saved[-1] == step  # the preemption save, after the periodic ones
     (restore,) = events(run_dir, "restore")
     assert restore["step"] == step and restore["incarnation"] == 1
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"

@@ -140,6 +140,9 @@ def test_sbatch_scancel_term_saves_requeues_and_finishes(slurm, reference, tmp_p
 def test_srun_without_supervisor_uses_jax_slurm_detection(slurm, reference, tmp_path):
     run_dir = tmp_path / "srun"
     env = cpu_env(devices=2, cache=False)  # 2 CPU devices per task, 8 in all
+    # jax.distributed's timeouts (and the after-compile barrier): a loaded 2-core machine has
+    # taken over 5 minutes to compile one process's programs
+    env["JAXPAR_COLLECTIVE_TIMEOUT_S"] = str(JOB_TIMEOUT)
     t0 = time.time()
     cmd = ["srun", "-N", "2", "-n", "4", "--kill-on-bad-exit=1", sys.executable, "-m", "train",
            "--run-dir", str(run_dir), "--no-progress", *TRAIN]  # fmt: skip

@@ -11,17 +11,14 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class ModelConfig(Protocol):
-    """What jaxpar needs from a model config (a frozen dataclass of the user's)."""
-
-    def build(self, rngs: Any) -> Any: ...
+from jaxpar.contract import ModelConfig, not_hashed  # noqa: F401 - ModelConfig re-exported
 
 
 @dataclass(frozen=True)
@@ -72,6 +69,10 @@ class CkptConfig:
     restore: str = "latest"  # latest | none | STEP
     use_async: bool = True
     force: bool = False  # restore even if the model/optimizer/data config differs
+    # local snapshot tier (jaxpar/snapshot.py): every N steps to node-local RAM; -1 = by state
+    # size (1 up to 256 MiB per process), 0 = off
+    local_every: int = -1
+    local_dir: str = ""  # "" = $JAXPAR_LOCAL_DIR, else /dev/shm/jaxpar-<uid>
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """Gradient communication over the data axis (see jaxpar/collectives.py, jaxpar/diloco.py)."""
+    """Gradient communication over the data axis (see jaxpar/parallel/compressed.py, diloco.py)."""
 
     compress: str = "none"  # none | bf16 | int8 (with error feedback)
     diloco_inner_steps: int = 0  # H > 0: DiLoCo / local SGD, replicas sync every H steps
@@ -122,6 +123,24 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # The model contract's user hooks (jaxpar/contract.py, docs/model_contract.md):
+    # loss(model, batch, rngs) -> (loss, metrics); None: the data source's built-in task
+    loss: Any = None
+    # an optax GradientTransformation, or total_steps -> GradientTransformation; None: `optim`
+    optimizer: Any = None
+    # extra (logical name, mesh axes) rules, after the preset's, for parameters and activations
+    rules: tuple = ()
+
+
+USER_HOOKS = ("loss", "optimizer")  # callables a recipe supplies; recorded as MODULE:QUALNAME
+
+
+def _qualified(v: Any) -> str:
+    """MODULE:QUALNAME of a function, class or object (an optax transformation: its update)."""
+    if hasattr(v, "update") and not hasattr(v, "__qualname__"):  # optax GradientTransformation
+        v = v.update
+    t = v if hasattr(v, "__qualname__") else type(v)
+    return f"{t.__module__}:{t.__qualname__}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -134,8 +153,10 @@ def to_dict(cfg: Any) -> dict:
             if f.name == "model":
                 d["_class"] = f"{type(v).__module__}:{type(v).__qualname__}"
             v = d
+        elif f.name in USER_HOOKS and v is not None:
+            v = _qualified(v)
         elif isinstance(v, tuple):
-            v = list(v)
+            v = [list(x) if isinstance(x, tuple) else x for x in v]
         elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
             t = v if hasattr(v, "__qualname__") else type(v)
             v = f"{t.__module__}:{t.__qualname__}"
@@ -153,8 +174,8 @@ def config_hash(
     length). A model config may name fields that change memory or speed but not the values it
     computes in `NOT_HASHED` (e.g. rematerialisation); they are left out too."""
     d = to_dict(cfg)
-    d = {k: d[k] for k in sections}
-    for name in getattr(cfg.model, "NOT_HASHED", ()):
+    d = {k: d[k] for k in sections} | {k: d[k] for k in (*USER_HOOKS, "rules") if d.get(k)}
+    for name in not_hashed(cfg.model):
         d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
     blob = json.dumps(d, sort_keys=True).encode()
@@ -232,19 +253,22 @@ def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = ""
 
 
 def resolve_recipe(name: str) -> TrainConfig:
-    """A recipe by name from `train.recipes`, or `module:function` for a user's own."""
+    """A recipe by name from `jaxpar.train.recipes`, or `module:function` for a user's own.
+
+    A user's module is imported from sys.path; the current directory is searched too, after
+    the installed packages (never ahead of them).
+    """
     if ":" in name:
         mod_name, fn_name = name.split(":", 1)
     else:
-        mod_name, fn_name = "train.recipes", name
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # run from the checkout: recipes live beside jaxpar/
+        mod_name, fn_name = "jaxpar.train.recipes", name
+    search_current_directory()
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise ValueError(
-            f"recipe {name!r}: cannot import {mod_name!r} ({e}); run from the jaxpar checkout or "
-            f"give MODULE:FUNCTION on sys.path"
+            f"recipe {name!r}: cannot import {mod_name!r} ({e}); give MODULE:FUNCTION with "
+            f"MODULE importable from the current directory or sys.path"
         ) from None
     fn = getattr(mod, fn_name, None)
     if fn is None:
@@ -256,3 +280,9 @@ def resolve_recipe(name: str) -> TrainConfig:
     if not isinstance(cfg, TrainConfig):
         raise ValueError(f"recipe {name!r} returned {type(cfg).__name__}, not a TrainConfig")
     return cfg
+
+
+def search_current_directory() -> None:
+    """Let a user's modules in the current directory be imported, after the installed ones."""
+    if "" not in sys.path and "." not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append("")

@@ -223,6 +223,8 @@ def prepare(
     """Tokenize `inputs` into `out` (see the module docstring); returns the meta.json dict."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if os.path.exists(os.path.join(out, META)):
+        raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     t0 = time.time()
     docs, skipped = read_docs(input_files(inputs))
     train, val = split_docs(docs, val_fraction)
@@ -231,8 +233,6 @@ def prepare(
             f"the input ({sum(d.nbytes for d in docs)} bytes) is too small to split with "
             f"--val-fraction {val_fraction}; give more text"
         )
-    if os.path.exists(os.path.join(out, META)):
-        raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     if tokenizer:
         tok = load_tokenizer(tokenizer)
         if vocab_size and vocab_size != tok.get_vocab_size():
@@ -250,12 +250,14 @@ def prepare(
     os.makedirs(out, exist_ok=True)
     bar = _Bar(sum(len(t.encode("utf-8")) for t in train + val), progress)
     shards, counts = {}, {}
+    t_encode = time.time()
     for name, texts in (("train", train), ("val", val)):
         writer = _ShardWriter(out, name, dtype, shard_tokens)
         try:
             counts[name] = _encode(tok, texts, writer, eot, bar)
         finally:
             shards[name] = writer.close()
+    encode_seconds = time.time() - t_encode
     tok.save(os.path.join(out, "tokenizer.json"))
     meta = {
         "format": FORMAT, "version": VERSION, "dtype": dtype.name, "byte_order": "little",
@@ -263,7 +265,7 @@ def prepare(
         "tokenizer": "tokenizer.json", "val_fraction": val_fraction,
         "sources": [{"path": d.path, "bytes": d.nbytes, "sha256": d.sha256} for d in docs],
         "skipped": skipped, "input_bytes": sum(d.nbytes for d in docs),
-        "seconds": time.time() - t0,
+        "seconds": time.time() - t0, "encode_seconds": encode_seconds,
     }  # fmt: skip
     tmp = os.path.join(out, f"{META}.tmp")
     with open(tmp, "w") as f:

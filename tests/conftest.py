@@ -33,7 +33,7 @@ def _xla_flags(existing: str, devices: int) -> str:
 # Must happen before jax creates its CPU backend (the first jax.devices() call).
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # models/, meshes/ and train/ are imported from the checkout
+    sys.path.insert(0, REPO)  # jaxpar (models/, meshes/, train/ as jaxpar.*) from the checkout
 
 import dataclasses
 import inspect
@@ -75,6 +75,8 @@ def _subprocess_compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the session's subprocesses (tests.helpers.cpu_env);
     a child pytest (rerun_with_devices) keeps its parent's."""
     os.environ.setdefault(helpers.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    local = os.environ.setdefault(helpers.LOCAL_ENV, str(tmp_path_factory.getbasetemp() / "local"))
+    os.environ.setdefault("JAXPAR_LOCAL_DIR", local)  # in-process runs too
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,7 @@ def recipe(name: str, steps: int = PARITY_STEPS, **train) -> TrainConfig:
 
 
 def preset(name: str) -> Preset:
-    import meshes
+    from jaxpar import meshes
 
     return meshes.resolve(name)
 

@@ -19,6 +19,7 @@ from jaxpar.supervisor.options import TOKEN_ENV, TOKEN_FILE, Options
 
 MAX_LINE = 1 << 20  # bytes per message: a spec is a few hundred
 HANDSHAKE_S = 10.0
+MAX_SKIPPED = 64  # malformed messages in a row before the peer is dropped
 
 
 class ChannelError(Exception):
@@ -34,20 +35,28 @@ def token(opts: Options) -> bytes:
     if opts.token_file:
         return _read_token(opts.token_file)
     if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV].encode()
+        secret = os.environ[TOKEN_ENV].strip().encode()
+        if len(secret) < 16:
+            raise ValueError(f"${TOKEN_ENV} is shorter than 16 characters; give a longer secret")
+        return secret
     path = os.path.join(opts.run_dir, TOKEN_FILE)
     if not os.path.exists(path):
-        os.makedirs(opts.run_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
         try:
-            os.link(tmp, path)  # atomic, and fails if another agent was first
-        except FileExistsError:
-            pass
+            os.makedirs(opts.run_dir, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            with contextlib.suppress(FileExistsError):  # another agent was first: use theirs
+                os.link(tmp, path)  # atomic: readers never see a half-written token
+        except OSError as e:
+            raise ValueError(
+                f"cannot create the launch token {path}: {e.strerror or e}; give --token-file "
+                f"or ${TOKEN_ENV}"
+            ) from None
         finally:
-            os.remove(tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
     return _read_token(path)
 
 
@@ -84,15 +93,19 @@ class Lines:
     def next(self) -> dict | None:
         """The next message (a JSON object); None at end of stream. ChannelError if a line is too
         long; a line that is not a JSON object is skipped."""
+        skipped = 0
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
                 try:
                     msg = json.loads(line)
-                except ValueError:
-                    continue
+                except (ValueError, RecursionError):  # not JSON, or nested too deep
+                    msg = None
                 if isinstance(msg, dict):
                     return msg
+                skipped += 1
+                if skipped > MAX_SKIPPED:
+                    raise ChannelError(f"more than {MAX_SKIPPED} malformed messages in a row")
             if len(self.buf) > MAX_LINE:
                 raise ChannelError(f"message longer than {MAX_LINE} bytes")
             data = self.sock.recv(65536)

@@ -25,10 +25,13 @@ THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
 
 
-def train_cmd(steps: int, every: int, *extra: str) -> list[str]:
+def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list[str]:
+    """gpt_tiny (SMALL); the local snapshot tier off unless `local_every` (the supervisor's
+    tests count on restores from the persistent checkpoints)."""
     return [
         sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--steps", str(steps),
-        "--no-progress", "--set", f"ckpt.every={every}", *SMALL, *extra,
+        "--no-progress", "--set", f"ckpt.every={every}", "--set", f"ckpt.local_every={local_every}",
+        *SMALL, *extra,
     ]  # fmt: skip
 
 
@@ -87,16 +90,21 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     env["XLA_FLAGS"] = THREADS
     env["PYTHONPATH"] = str(REPO)
+    if os.environ.get("JAXPAR_TEST_LOCAL_DIR"):  # local snapshots in the session's temp dir
+        env["JAXPAR_LOCAL_DIR"] = os.environ["JAXPAR_TEST_LOCAL_DIR"]
     return env
 
 
 class Launch:
     """`jaxpar launch ARGS -- COMMAND` in the background."""
 
-    def __init__(self, run_dir: Path, args: list[str], command: list[str], env=None, name="launch"):
+    def __init__(
+        self, run_dir: Path, args: list[str], command: list[str], env=None, name="launch",
+        log_dir: Path | None = None,
+    ):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.run_dir.parent / f"{self.run_dir.name}.{name}.log"
+        self.log = Path(log_dir or self.run_dir.parent) / f"{self.run_dir.name}.{name}.log"
         cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", str(run_dir), *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(

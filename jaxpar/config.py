@@ -93,7 +93,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """Gradient communication over the data axis (see jaxpar/collectives.py, jaxpar/diloco.py)."""
+    """Gradient communication over the data axis (see jaxpar/parallel/compressed.py, diloco.py)."""
 
     compress: str = "none"  # none | bf16 | int8 (with error feedback)
     diloco_inner_steps: int = 0  # H > 0: DiLoCo / local SGD, replicas sync every H steps

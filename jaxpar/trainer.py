@@ -355,6 +355,9 @@ def run(
     if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
         multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
+    warning = contract.unsharded_warning(s.program.param_logical)
+    if warning and s.run.is_writer:
+        print(f"jaxpar: {warning}", file=sys.stderr)
     s.run.event(
         W.START, nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))),
         warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
@@ -376,6 +379,7 @@ def run(
             copy_program.result()
             s.run.event(W.LOCAL_TIER, **tier.describe())
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
+        launch.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
     finally:

@@ -7,6 +7,7 @@ current directory on sys.path (run from the checkout).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -44,11 +45,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar import launch
 
     launch.configure_devices()
-    from jaxpar.bench import run_suite
-    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.bench import Bench, run_suite
 
-    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
-    run_suite(args.suite, cfg, args.quick, args.out, lambda text: _layout(text, cfg.mesh))
+    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out)
+    run_suite(args.suite, dataclasses.replace(b, layout=lambda text: _layout(text, b.cfg.mesh)))
     return 0
 
 
@@ -269,11 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
-    ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
-    ben.add_argument(
-        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision"
-    )
-    ben.add_argument("--recipe", default="gpt_tiny")
+    from jaxpar import bench
+
+    ben = sub.add_parser(
+        "bench", help="benchmarks measured side by side (medians, ratios)",
+        epilog="suites (rough time on a 2-core CPU host, full and --quick):\n" + bench.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    ben.add_argument("suite", choices=sorted(bench.SUITES), metavar="SUITE",
+                     help="one of: " + ", ".join(sorted(bench.SUITES)))  # fmt: skip
+    ben.add_argument("--recipe", default=bench.DEFAULT_RECIPE, help="the recipe measured")
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")
     ben.add_argument("--quick", action="store_true", help="a small, fast version")
     ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -1,7 +1,8 @@
-"""The `jaxpar` console script: launch (supervised workers), inspect, bench, report.
+"""The `jaxpar` console script: train, launch (supervised workers), inspect, bench, report.
 
-Recipes resolve as in `python -m train`: a name in `train.recipes` or `module:function`, with the
-current directory on sys.path (run from the checkout).
+Recipes resolve the same way everywhere: a name in `jaxpar.train.recipes` (the checkout's
+`train/recipes.py`), or `module:function` for a user's own, importable from the installed
+packages or, after them, the current directory.
 """
 
 from __future__ import annotations
@@ -14,17 +15,53 @@ import tempfile
 
 
 def _layout(name: str | None, default: str):
-    import importlib
+    from jaxpar.api import preset
 
-    from jaxpar.mesh import MeshSpec
-    from jaxpar.rules import Preset
+    return preset(name if name is not None else default)
 
-    text = name if name is not None else default
-    try:
-        meshes = importlib.import_module("meshes")
-    except ModuleNotFoundError:
-        return Preset(MeshSpec.parse(text))
-    return meshes.resolve(text)
+
+def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`jaxpar train`'s options, shared with `python -m train` / `python -m jaxpar.train`."""
+    p.add_argument(
+        "--recipe", default="gpt_tiny", help="name in jaxpar.train.recipes, or module:function"
+    )
+    p.add_argument(
+        "--mesh", default=None, help="preset name (jaxpar.meshes.PRESETS) or 'data=2,tensor=4'"
+    )
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the recipe)")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/RECIPE-TIME)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a recipe: the same run as `python -m train`, with the worker exit codes."""
+    from jaxpar.api import run_worker
+
+    def train() -> None:
+        from jaxpar import api, trainer
+        from jaxpar.config import apply_overrides, resolve_recipe
+
+        cfg = resolve_recipe(args.recipe)
+        cfg = apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides)
+        keys = {o.partition("=")[0].strip() for o in args.overrides}
+        cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
+        mesh = args.mesh if args.mesh is not None else cfg.mesh
+        summary = api.fit(cfg, mesh, args.run_dir, faults=args.faults,
+                          progress=False if args.no_progress else None)  # fmt: skip
+        import jax
+
+        if summary.get("final_loss") is not None and jax.process_index() == 0:
+            print(f"run directory: {summary['run_dir']}")
+            print(
+                f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+                f"in {summary['wall_s']:.1f}s"
+            )
+
+    return run_worker(train)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -72,6 +109,44 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         f"{meta['input_bytes'] / 1e6:.1f} MB in {meta['seconds']:.1f}s"
     )
     return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from jaxpar.sample import sample
+
+    text = sample(
+        args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer,
+    )  # fmt: skip
+    print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jaxpar.export import config_path, export
+
+    meta = export(args.run_dir, args.out)
+    print(
+        f"{args.out}: {meta['parameters']:,} parameters of step {meta['step']}; "
+        f"config in {config_path(args.out)}"
+    )
+    return 0
+
+
+def _add_model_parsers(sub) -> None:
+    sam = sub.add_parser("sample", help="generate text from a run's newest checkpoint (KV cache)")
+    sam.add_argument("run_dir", metavar="RUN_DIR")
+    sam.add_argument("--prompt", required=True, help="text to continue")
+    sam.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the context")
+    sam.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (deterministic)")
+    sam.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    sam.add_argument("--seed", type=int, default=0)
+    sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
+    sam.set_defaults(func=cmd_sample)
+    exp = sub.add_parser("export", help="a run's parameters as safetensors + config JSON")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors")
+    exp.set_defaults(func=cmd_export)
 
 
 def _add_data_parser(sub) -> None:
@@ -262,7 +337,9 @@ def _add_launch_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"jaxpar {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    add_train_arguments(sub.add_parser("train", help="train a recipe (same as python -m train)"))
     ins = sub.add_parser("inspect", help="parameter shardings and the compiled step's collectives")
     ins.add_argument("--recipe", default="gpt_tiny")
     ins.add_argument("--mesh", default=None, help="preset name or mesh spec")
@@ -289,12 +366,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
     _add_data_parser(sub)
+    _add_model_parsers(sub)
     return p
 
 
+def _version() -> str:
+    from jaxpar import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "" not in sys.path:
-        sys.path.insert(0, "")
+    from jaxpar.config import search_current_directory
+
+    search_current_directory()  # a user's recipe module, after the installed packages
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

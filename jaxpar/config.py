@@ -11,17 +11,14 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class ModelConfig(Protocol):
-    """What jaxpar needs from a model config (a frozen dataclass of the user's)."""
-
-    def build(self, rngs: Any) -> Any: ...
+from jaxpar.contract import ModelConfig, not_hashed  # noqa: F401 - ModelConfig re-exported
 
 
 @dataclass(frozen=True)
@@ -122,6 +119,24 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # The model contract's user hooks (jaxpar/contract.py, docs/model_contract.md):
+    # loss(model, batch, rngs) -> (loss, metrics); None: the data source's built-in task
+    loss: Any = None
+    # an optax GradientTransformation, or total_steps -> GradientTransformation; None: `optim`
+    optimizer: Any = None
+    # extra (logical name, mesh axes) rules, after the preset's, for parameters and activations
+    rules: tuple = ()
+
+
+USER_HOOKS = ("loss", "optimizer")  # callables a recipe supplies; recorded as MODULE:QUALNAME
+
+
+def _qualified(v: Any) -> str:
+    """MODULE:QUALNAME of a function, class or object (an optax transformation: its update)."""
+    if hasattr(v, "update") and not hasattr(v, "__qualname__"):  # optax GradientTransformation
+        v = v.update
+    t = v if hasattr(v, "__qualname__") else type(v)
+    return f"{t.__module__}:{t.__qualname__}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -134,8 +149,10 @@ def to_dict(cfg: Any) -> dict:
             if f.name == "model":
                 d["_class"] = f"{type(v).__module__}:{type(v).__qualname__}"
             v = d
+        elif f.name in USER_HOOKS and v is not None:
+            v = _qualified(v)
         elif isinstance(v, tuple):
-            v = list(v)
+            v = [list(x) if isinstance(x, tuple) else x for x in v]
         elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
             t = v if hasattr(v, "__qualname__") else type(v)
             v = f"{t.__module__}:{t.__qualname__}"
@@ -153,8 +170,8 @@ def config_hash(
     length). A model config may name fields that change memory or speed but not the values it
     computes in `NOT_HASHED` (e.g. rematerialisation); they are left out too."""
     d = to_dict(cfg)
-    d = {k: d[k] for k in sections}
-    for name in getattr(cfg.model, "NOT_HASHED", ()):
+    d = {k: d[k] for k in sections} | {k: d[k] for k in (*USER_HOOKS, "rules") if d.get(k)}
+    for name in not_hashed(cfg.model):
         d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
     blob = json.dumps(d, sort_keys=True).encode()
@@ -232,19 +249,22 @@ def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = ""
 
 
 def resolve_recipe(name: str) -> TrainConfig:
-    """A recipe by name from `train.recipes`, or `module:function` for a user's own."""
+    """A recipe by name from `jaxpar.train.recipes`, or `module:function` for a user's own.
+
+    A user's module is imported from sys.path; the current directory is searched too, after
+    the installed packages (never ahead of them).
+    """
     if ":" in name:
         mod_name, fn_name = name.split(":", 1)
     else:
-        mod_name, fn_name = "train.recipes", name
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # run from the checkout: recipes live beside jaxpar/
+        mod_name, fn_name = "jaxpar.train.recipes", name
+    search_current_directory()
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise ValueError(
-            f"recipe {name!r}: cannot import {mod_name!r} ({e}); run from the jaxpar checkout or "
-            f"give MODULE:FUNCTION on sys.path"
+            f"recipe {name!r}: cannot import {mod_name!r} ({e}); give MODULE:FUNCTION with "
+            f"MODULE importable from the current directory or sys.path"
         ) from None
     fn = getattr(mod, fn_name, None)
     if fn is None:
@@ -256,3 +276,9 @@ def resolve_recipe(name: str) -> TrainConfig:
     if not isinstance(cfg, TrainConfig):
         raise ValueError(f"recipe {name!r} returned {type(cfg).__name__}, not a TrainConfig")
     return cfg
+
+
+def search_current_directory() -> None:
+    """Let a user's modules in the current directory be imported, after the installed ones."""
+    if "" not in sys.path and "." not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append("")

@@ -223,6 +223,8 @@ def prepare(
     """Tokenize `inputs` into `out` (see the module docstring); returns the meta.json dict."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if os.path.exists(os.path.join(out, META)):
+        raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     t0 = time.time()
     docs, skipped = read_docs(input_files(inputs))
     train, val = split_docs(docs, val_fraction)
@@ -231,8 +233,6 @@ def prepare(
             f"the input ({sum(d.nbytes for d in docs)} bytes) is too small to split with "
             f"--val-fraction {val_fraction}; give more text"
         )
-    if os.path.exists(os.path.join(out, META)):
-        raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     if tokenizer:
         tok = load_tokenizer(tokenizer)
         if vocab_size and vocab_size != tok.get_vocab_size():

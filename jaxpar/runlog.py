@@ -361,7 +361,7 @@ def _incidents(
         until = dets[k + 1]["time"] if k + 1 < len(dets) else None
         prev = _owner(incs, det["time"])
         group = _first(events, S.GROUP_STARTED, det["time"], until)
-        nxt = next((i for i in incs if group and i.start >= group["time"]
+        nxt = next((i for i in incs if i.start >= det["time"]
                     and (until is None or i.start < until)), None)  # fmt: skip
         inc = _incident(prev, nxt, det, prev_t, shrinks, steps)
         stopped = _first(events, S.SURVIVORS_STOPPED, det["time"], until)
@@ -472,10 +472,22 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
     def add(row: int, a: float, b: float, cause: str) -> None:
         intervals.append((row, a - t0, max(a, b) - t0, cause))
 
+    def teardown(inc: Incarnation, until: float) -> bool:
+        """After `inc`, the supervisor's detection and teardown up to a job's `ended`."""
+        end = next((e["time"] for e in ends if inc.end < e["time"] <= until), None)
+        if end is None:
+            return False
+        det = next((d["time"] for d in dets if inc.start <= d["time"] <= end), None)
+        if det is not None and det > inc.end:
+            add(inc.index, inc.end, det, "detection")
+        add(inc.index, max(inc.end, det or inc.end), end, "other")
+        return True
+
     for i, inc in enumerate(incs):
         prev = incs[i - 1] if i else None
-        idle = prev is None or (prev.last(W.DONE) and not prev.ending_fault())
-        if idle:  # the first start, or one after a clean end: start-up from its launch
+        ended = prev is not None and teardown(prev, inc.start)  # then idle until a new launch
+        idle = prev is None or ended or (prev.last(W.DONE) and not prev.ending_fault())
+        if idle:  # the first start, or one after a clean end or a job's end: start-up from launch
             lo = prev.end if prev else -float("inf")
             launch = next((e for e in launches if lo <= e["time"] <= inc.start), None)
             if launch is not None:
@@ -496,13 +508,7 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
         for a, b, c in own:
             add(inc.index, a, b, c)
         other += max(0.0, inc.end - inc.start - sum(max(0.0, b - a) for a, b, _ in own))
-    last = incs[-1]
-    tail = next((e for e in ends if e["time"] > last.end), None)  # the supervisor's teardown
-    if tail is not None:
-        det = next((d["time"] for d in dets if last.start <= d["time"] <= tail["time"]), None)
-        if det is not None and det > last.end:
-            add(last.index, last.end, det, "detection")
-        add(last.index, max(last.end, det or last.end), tail["time"], "other")
+    teardown(incs[-1], float("inf"))
     totals = dict.fromkeys(CAUSES, 0.0)
     totals["other"] = other
     for _, a, b, c in intervals:

@@ -21,7 +21,7 @@ def bench(suite: str, out: str, *args: str, timeout: float = 900) -> dict:
     text = ok(run(cmd, timeout=timeout, merge=True)).stdout
     assert "|---" in text  # the markdown table is printed
     path = os.path.join(out, f"{suite}.json")
-    assert text.rstrip().endswith(f"wrote {path}")  # and where its JSON went
+    assert f"\nwrote {path}\n" in text  # and where its JSON went
     with open(path) as f:
         return json.load(f)
 

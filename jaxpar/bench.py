@@ -116,6 +116,7 @@ register("recovery", "jaxpar.bench_recovery:run", "restart time (spares + compil
 register("pipeline", "jaxpar.bench_pipeline:run", "GPipe and circular schedules: step time and bubble vs prediction", "~10 min (quick ~2 min)")
 register("comm", "jaxpar.bench_comm:run", "gradient all-reduce fp32 / bf16 / int8 / DiLoCo: bytes and loss", "~5 min (quick ~1 min)")
 register("precision", "jaxpar.bench_precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")
+register("data", "jaxpar.bench_data:run", "tokens source: prepare speed, examples/s per process vs what a step consumes", "~5 min (quick ~1 min)")
 # fmt: on
 
 

@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpar import contract
 from jaxpar import data as data_lib
 from jaxpar.bench import Bench, table
 from jaxpar.config import PrecisionConfig, TrainConfig, resolve_recipe
@@ -114,7 +115,7 @@ def run(b: Bench) -> dict:
     device = jax.devices()[0].device_kind
     result = {
         "suite": "precision", "recipe": cfg.name, "device": device, "devices": 1, "reps": reps,
-        "params": cfg.model.num_params() if hasattr(cfg.model, "num_params") else None,
+        "params": contract.num_params(cfg.model),
         "global_batch": cfg.data.global_batch, "rows": rows,
     }  # fmt: skip
     header = ["variant", "median step s", "vs fp32", unit_name.replace("_per_s", "/s"), "MFU",

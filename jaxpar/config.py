@@ -69,6 +69,10 @@ class CkptConfig:
     restore: str = "latest"  # latest | none | STEP
     use_async: bool = True
     force: bool = False  # restore even if the model/optimizer/data config differs
+    # local snapshot tier (jaxpar/snapshot.py): every N steps to node-local RAM; -1 = by state
+    # size (1 up to 256 MiB per process), 0 = off
+    local_every: int = -1
+    local_dir: str = ""  # "" = $JAXPAR_LOCAL_DIR, else /dev/shm/jaxpar-<uid>
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """Gradient communication over the data axis (see jaxpar/collectives.py, jaxpar/diloco.py)."""
+    """Gradient communication over the data axis (see jaxpar/parallel/compressed.py, diloco.py)."""
 
     compress: str = "none"  # none | bf16 | int8 (with error feedback)
     diloco_inner_steps: int = 0  # H > 0: DiLoCo / local SGD, replicas sync every H steps

@@ -19,7 +19,7 @@ def test_every_suite_resolves_to_a_function_of_one_bench():
     for name, suite in bench.SUITES.items():
         mod, fn = suite.target.split(":")
         params = list(inspect.signature(getattr(importlib.import_module(mod), fn)).parameters)
-        assert params == ["b"], f"{name}: {suite.target} takes {params}, not one Bench"
+        assert len(params) == 1, f"{name}: {suite.target} takes {params}, not one Bench"
         assert suite.help and suite.duration.startswith("~")
 
 

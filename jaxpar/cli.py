@@ -30,10 +30,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from jaxpar import launch
 
     launch.configure_devices()
-    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.config import apply_overrides, resolve_recipe, validate
     from jaxpar.inspect_cmd import inspect
 
-    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
+    cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
     with tempfile.TemporaryDirectory() as tmp:
         print(inspect(cfg, preset, tmp, audit=not args.no_audit))
@@ -44,17 +44,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar import launch
 
     launch.configure_devices()
-    from jaxpar.bench import run_suite
-    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.bench import SUITES, run_suite
+    from jaxpar.config import apply_overrides, resolve_recipe, validate
+    from jaxpar.rundir import check_path
 
-    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
+    if args.suite not in SUITES:
+        raise ValueError(f"unknown bench suite {args.suite!r}; use one of {list(SUITES)}")
+    check_path(args.out, option="--out")  # before a bench runs for minutes
+    cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     run_suite(args.suite, cfg, args.quick, args.out, lambda text: _layout(text, cfg.mesh))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from jaxpar.report import write_report
+    from jaxpar.rundir import check_path
 
+    if not os.path.isdir(args.run_dir):
+        raise ValueError(f"{args.run_dir} is not a directory; give a run directory")
+    check_path(args.out or os.path.join(args.run_dir, "report"), option="--out")
     print(write_report(args.run_dir, args.out))
     return 0
 
@@ -221,36 +229,74 @@ def _add_launch_parser(sub) -> None:
     la.set_defaults(func=cmd_launch)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="parameter shardings and the compiled step's collectives")
-    ins.add_argument("--recipe", default="gpt_tiny")
-    ins.add_argument("--mesh", default=None, help="preset name or mesh spec")
-    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+def _names(help_asked: bool) -> str | None:
+    """Recipe and preset names for --help (imported only when help is asked for)."""
+    if not help_asked:
+        return None
+    try:
+        import meshes
+        from train.recipes import RECIPES
+    except ImportError as e:
+        return f"recipes and mesh presets: run from the jaxpar checkout to list them ({e})"
+    return f"recipes: {', '.join(RECIPES)}\nmesh presets: {', '.join(meshes.PRESETS)}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), not usage text plus an error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = sys.argv[1:] if argv is None else argv
+    names = _names(any(a in ("-h", "--help") for a in argv))
+    raw = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="jaxpar", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ins = sub.add_parser(
+        "inspect", help="parameter shardings and the compiled step's collectives",
+        epilog=names, formatter_class=raw,
+    )  # fmt: skip
+    ins.add_argument("--recipe", default="gpt_tiny", help="recipe name or module:function "
+                     "(default: gpt_tiny)")  # fmt: skip
+    ins.add_argument("--mesh", default=None, help="preset name or mesh spec (default: the "
+                     "recipe's; all devices on data)")  # fmt: skip
+    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value (repeatable)")  # fmt: skip
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
-    ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
+    ben = sub.add_parser(
+        "bench", help="benchmarks measured side by side (medians, ratios)", epilog=names,
+        formatter_class=raw,
+    )  # fmt: skip
     ben.add_argument(
-        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision"
-    )
-    ben.add_argument("--recipe", default="gpt_tiny")
-    ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")
+        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision "
+        "(--quick: about a minute each on a CPU; full: minutes, recovery and pipeline longer)"
+    )  # fmt: skip
+    ben.add_argument("--recipe", default="gpt_tiny", help="(default: gpt_tiny)")
+    ben.add_argument("--out", default="bench-results", help="directory for SUITE.json "
+                     "(default: bench-results)")  # fmt: skip
     ben.add_argument("--quick", action="store_true", help="a small, fast version")
-    ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value (repeatable)")  # fmt: skip
     ben.set_defaults(func=cmd_bench)
     rep = sub.add_parser("report", help="RUN_DIR/report/report.md: loss, step time, goodput plots")
     rep.add_argument("run_dir", metavar="RUN_DIR")
-    rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "" not in sys.path:
-        sys.path.insert(0, "")
-    args = build_parser().parse_args(argv)
+    # Recipes and presets may live in the current directory, but it goes last on sys.path: a
+    # folder named like an installed package (matplotlib/, jax/) must never shadow it.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxpar import goodput
 from jaxpar.goodput import ENDING_FAULTS
-from jaxpar.metrics import last_per_step, read_jsonl
+from jaxpar.metrics import last_per_step, read_jsonl, well_formed
 
 # Written by `jaxpar launch`, not by workers: they never extend an incarnation's span.
 SUPERVISOR_EVENTS = (
@@ -129,7 +129,8 @@ def load(run_dir: str) -> tuple[list[dict], list[dict], dict]:
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             config = json.load(f)
-    return read_jsonl(ev_path), read_jsonl(m_path), config
+    events = well_formed(read_jsonl(ev_path), required=("event", "time"))
+    return events, well_formed(read_jsonl(m_path)), config
 
 
 def _incarnations(events: list[dict], lines: list[dict]) -> list[Incarnation]:

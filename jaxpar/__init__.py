@@ -1,32 +1,81 @@
-"""jaxpar: one model definition trained on any device mesh, and training that survives failures."""
+"""jaxpar: one model definition trained on any device mesh, and training that survives failures.
 
-from jaxpar.config import (
-    DataConfig,
-    LogConfig,
-    OptimConfig,
-    TrainConfig,
-    TrainLoopConfig,
-    apply_overrides,
-)
-from jaxpar.mesh import AXES, MeshSpec, make_mesh
-from jaxpar.rules import ACT_RULES, PARAM_RULES, VOCAB, Preset, constrain, logical_to_spec
+The public names below are imported lazily (PEP 562 `__getattr__`): `import jaxpar` and
+`import jaxpar.supervisor` do not import jax, so the supervisor and the console script start fast
+and can set XLA flags before jax's first use.
+"""
+
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ACT_RULES",
-    "AXES",
-    "PARAM_RULES",
-    "VOCAB",
-    "DataConfig",
-    "LogConfig",
-    "MeshSpec",
-    "OptimConfig",
-    "Preset",
-    "TrainConfig",
-    "TrainLoopConfig",
-    "apply_overrides",
-    "constrain",
-    "logical_to_spec",
-    "make_mesh",
-]
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # configuration
+    "TrainConfig": "jaxpar.config",
+    "DataConfig": "jaxpar.config",
+    "OptimConfig": "jaxpar.config",
+    "TrainLoopConfig": "jaxpar.config",
+    "LogConfig": "jaxpar.config",
+    "CkptConfig": "jaxpar.config",
+    "RunConfig": "jaxpar.config",
+    "PipelineConfig": "jaxpar.config",
+    "CommConfig": "jaxpar.config",
+    "PrecisionConfig": "jaxpar.config",
+    "ModelConfig": "jaxpar.config",
+    "apply_overrides": "jaxpar.config",
+    "resolve_recipe": "jaxpar.config",
+    # mesh and rules
+    "AXES": "jaxpar.mesh",
+    "MeshSpec": "jaxpar.mesh",
+    "make_mesh": "jaxpar.mesh",
+    "ACT_RULES": "jaxpar.rules",
+    "PARAM_RULES": "jaxpar.rules",
+    "VOCAB": "jaxpar.rules",
+    "Preset": "jaxpar.rules",
+    "constrain": "jaxpar.rules",
+    "logical_to_spec": "jaxpar.rules",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
+    from jaxpar.config import (  # noqa: F401
+        CkptConfig,
+        CommConfig,
+        DataConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        PipelineConfig,
+        PrecisionConfig,
+        RunConfig,
+        TrainConfig,
+        TrainLoopConfig,
+        apply_overrides,
+        resolve_recipe,
+    )
+    from jaxpar.mesh import AXES, MeshSpec, make_mesh  # noqa: F401
+    from jaxpar.rules import (  # noqa: F401
+        ACT_RULES,
+        PARAM_RULES,
+        VOCAB,
+        Preset,
+        constrain,
+        logical_to_spec,
+    )

@@ -6,8 +6,8 @@ Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices, real SIGKILLs:
 
 1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
    faults, each restarting the group from the newest checkpoint; the goodput ledger splits each
-   incident into detect / stop / restart / init / restore / compile / first step (DESIGN.md's
-   definitions). Run side by side in one benchmark: jaxpar's restart path (pre-started spare
+   incident into detect / stop / restart / init / restore / compile / first step (docs/design.md,
+   "Recovery time"). Run side by side in one benchmark: jaxpar's restart path (pre-started spare
    workers + each process's compiled programs kept in the run directory) and a cold restart
    (`--no-spares`, `--set run.compile_cache=false`). Medians over the incidents, and their ratio.
 2. Goodput under failures every T seconds: the same job for a fixed wall time while the
@@ -33,8 +33,10 @@ import sys
 import tempfile
 import time
 
+from jaxpar import runlog
 from jaxpar.goodput import ledger_of
 from jaxpar.metrics import read_jsonl
+from jaxpar.runlog import S, W
 
 NPROC, DEVICES = 4, 2
 PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s", "first_step_s")
@@ -91,17 +93,17 @@ class _Job:
         self.log.close()
 
     def summary(self) -> dict:
-        with open(os.path.join(self.run_dir, "summary.json")) as f:
+        with open(os.path.join(self.run_dir, runlog.SUMMARY)) as f:
             return json.load(f)
 
     def stepping(self) -> bool:
-        return any("loss" in m for m in read_jsonl(os.path.join(self.run_dir, "metrics.jsonl")))
+        return any("loss" in m for m in read_jsonl(os.path.join(self.run_dir, runlog.METRICS)))
 
     def worker_pids(self) -> list[int]:
         """PIDs of the current group's workers, from their progress heartbeats."""
-        hb = os.path.join(self.run_dir, "heartbeats")
-        events = read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
-        inc = max((e["incarnation"] for e in events if e.get("event") == "start"), default=None)
+        hb = os.path.join(self.run_dir, runlog.HEARTBEATS)
+        events = read_jsonl(os.path.join(self.run_dir, runlog.EVENTS))
+        inc = max((e["incarnation"] for e in events if e.get("event") == W.START), default=None)
         pids = []
         for name in sorted(os.listdir(hb)) if os.path.isdir(hb) else []:
             try:
@@ -130,15 +132,15 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
                _command(recipe, p["steps"], p["every"], overrides + extra))  # fmt: skip
     code = job.wait(timeout=3600)
     incidents = ledger_of(run_dir)
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
     restarted = [e for e in events if e.get("incarnation", 0) > 0]
     out = {
         "mode": mode,
         "exit_code": code,
         "incidents": len(incidents),
         # how the restarted groups came up: from spares, and with compiled programs loaded
-        "warm_starts": sum(1 for e in restarted if e.get("event") == "start" and e.get("warm")),
-        "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == "compiled"),
+        "warm_starts": sum(1 for e in restarted if e.get("event") == W.START and e.get("warm")),
+        "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
     }
@@ -179,8 +181,8 @@ def measure_goodput(period: float, cycles: int, recipe: str, overrides: list[str
     finally:
         job.close()
     s = job.summary()
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    t_launch = next(e["time"] for e in events if e.get("event") == "launch")
+    events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
+    t_launch = next(e["time"] for e in events if e.get("event") == S.LAUNCH)
     startup = t_first - t_launch
     productive = (s["goodput"] or 0.0) * s["wall_s"]
     return {

@@ -39,9 +39,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from jaxpar import compile_cache
+from jaxpar import compile_cache, runlog
 from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
 from jaxpar.metrics import RunDir, write_json
+from jaxpar.runlog import W
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's uncommitted-step suffix
 CORRUPT_SUFFIX = ".corrupt"  # a damaged checkpoint is renamed aside, never deleted
@@ -330,7 +331,7 @@ class Checkpointer:
         self.run = run
         self.every = every
         self.use_async = use_async
-        self.directory = run.file("checkpoints")
+        self.directory = run.file(runlog.CHECKPOINTS)
         self.meta = meta  # config_hash, mesh, nproc, version, ...
         self._before_commit = before_commit
         self._pending: tuple[int, _Hashes] | None = None  # the save orbax is finishing
@@ -409,11 +410,11 @@ class Checkpointer:
         if step in self._own_steps:
             return 0.0  # already committed from this very state (restored, or a final re-save)
         t0 = time.time()
-        self.run.event("save_begin", step=step)
+        self.run.event(W.SAVE_BEGIN, step=step)
         self.wait()  # one save in flight: a slow previous one blocks too
         if step in self.manager.all_steps():  # left by a run restored from an older step
             self.manager.delete(step)
-            self.run.event("checkpoint_replaced", step=step)
+            self.run.event(W.CHECKPOINT_REPLACED, step=step)
         hashes = _hashes(state)  # dispatched (or done by the replica check); read in _pre_commit
         meta = {**self.meta, "step": step, "data_position": step, "time": time.time()}
         self._pending = (step, hashes)
@@ -426,7 +427,7 @@ class Checkpointer:
             self.wait()
         blocked = time.time() - t0
         self._own_steps.add(step)
-        self.run.event("save_end", step=step, blocking_s=blocked, use_async=self.use_async)
+        self.run.event(W.SAVE_END, step=step, blocking_s=blocked, use_async=self.use_async)
         return blocked
 
     def wait(self) -> None:
@@ -492,7 +493,7 @@ class Checkpointer:
         (state, meta), or None when there is none or `which` is "none".
         """
         if self.uncommitted:
-            self.run.event("uncommitted_ignored", dirs=self.uncommitted)
+            self.run.event(W.UNCOMMITTED_IGNORED, dirs=self.uncommitted)
         if which == "none":
             return None
         steps = self.committed_steps()
@@ -518,7 +519,7 @@ class Checkpointer:
                 f"use ckpt.restore=latest to fall back to an older one"
             )
         if skipped:
-            self.run.event("no_good_checkpoint", skipped=skipped)
+            self.run.event(W.NO_GOOD_CHECKPOINT, skipped=skipped)
             if self.run.is_writer:
                 say(f"every checkpoint is corrupt (steps {skipped}), starting from step 0")
         return None
@@ -552,7 +553,7 @@ class Checkpointer:
         return state, meta
 
     def _reject(self, step: int, reason: str, **fields) -> None:
-        self.run.event("checkpoint_corrupt", step=step, reason=reason[:500], **fields)
+        self.run.event(W.CHECKPOINT_CORRUPT, step=step, reason=reason[:500], **fields)
         if self.run.is_writer:
             src = os.path.join(self.directory, str(step))
             dst = f"{src}{CORRUPT_SUFFIX}-{int(time.time())}"
@@ -574,7 +575,7 @@ class Checkpointer:
             raise CheckpointMismatch(
                 mismatch_message(self.directory, meta, self.meta, self.meta.get("config"))
             )
-        self.run.event("restore_forced", step=meta.get("step"), from_config=have, to_config=want)
+        self.run.event(W.RESTORE_FORCED, step=meta.get("step"), from_config=have, to_config=want)
         return True
 
 

@@ -67,6 +67,75 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from jaxpar.prepare import prepare
+
+    meta = prepare(
+        args.inputs, args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        tokenizer=args.tokenizer, shard_tokens=args.shard_tokens, progress=not args.no_progress,
+    )  # fmt: skip
+    print(
+        f"{args.out}: {meta['tokens']['train']:,} train + {meta['tokens']['val']:,} val tokens "
+        f"({meta['dtype']}, vocab {meta['vocab_size']}) from {len(meta['sources'])} files, "
+        f"{meta['input_bytes'] / 1e6:.1f} MB in {meta['seconds']:.1f}s"
+    )
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from jaxpar.sample import sample
+
+    text = sample(
+        args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer,
+    )  # fmt: skip
+    print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jaxpar.export import config_path, export
+
+    meta = export(args.run_dir, args.out)
+    print(
+        f"{args.out}: {meta['parameters']:,} parameters of step {meta['step']}; "
+        f"config in {config_path(args.out)}"
+    )
+    return 0
+
+
+def _add_model_parsers(sub) -> None:
+    sam = sub.add_parser("sample", help="generate text from a run's newest checkpoint (KV cache)")
+    sam.add_argument("run_dir", metavar="RUN_DIR")
+    sam.add_argument("--prompt", required=True, help="text to continue")
+    sam.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the context")
+    sam.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (deterministic)")
+    sam.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    sam.add_argument("--seed", type=int, default=0)
+    sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
+    sam.set_defaults(func=cmd_sample)
+    exp = sub.add_parser("export", help="a run's parameters as safetensors + config JSON")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors")
+    exp.set_defaults(func=cmd_export)
+
+
+def _add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="prepare a text corpus into token shards (docs/data.md)")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    pre = dsub.add_parser(
+        "prepare", help="train a byte-level BPE tokenizer and write token shards + meta.json"
+    )
+    pre.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or folders")
+    pre.add_argument("--out", required=True, metavar="DIR", help="output folder (new)")
+    pre.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 4096)")
+    pre.add_argument("--val-fraction", type=float, default=0.05, help="share of bytes for val")
+    pre.add_argument("--tokenizer", default=None, help="use this tokenizer.json, do not train one")
+    pre.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    pre.add_argument("--no-progress", action="store_true", help="no progress display")
+    pre.set_defaults(func=cmd_data_prepare)
+
+
 def _command_run_dir(cmd: list[str]) -> str | None:
     for i, arg in enumerate(cmd):
         if arg == "--run-dir" and i + 1 < len(cmd):
@@ -80,13 +149,11 @@ def launch_options(args: argparse.Namespace):
     """Options for jaxpar.supervisor from `jaxpar launch`'s arguments (ValueError names the fix)."""
     import time
 
-    from jaxpar.supervisor import Options
+    from jaxpar.supervisor import Options, check_options
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd:
-        raise ValueError("no worker command: jaxpar launch [options] -- python -m train ...")
     own = _command_run_dir(cmd)
     if args.run_dir and own and os.path.abspath(own) != os.path.abspath(args.run_dir):
         raise ValueError(
@@ -95,17 +162,9 @@ def launch_options(args: argparse.Namespace):
     run_dir = (
         args.run_dir or own or os.path.join("runs", f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    if args.nproc < 1 or args.devices_per_proc < 1:
-        raise ValueError("--nproc and --devices-per-proc must be >= 1")
     if args.nnodes > 1 and not args.coordinator:
         raise ValueError("--nnodes > 1 needs --coordinator HOST:PORT (the rank-0 agent's host)")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
-    if args.min_nproc > args.nproc * args.nnodes:
-        raise ValueError(
-            f"--min-nproc {args.min_nproc} exceeds the {args.nproc * args.nnodes} processes"
-        )
-    return Options(
+    opts = Options(
         command=cmd, nproc=args.nproc, run_dir=os.path.abspath(run_dir),
         devices_per_proc=args.devices_per_proc, nnodes=args.nnodes, node_rank=args.node_rank,
         coordinator=args.coordinator or "127.0.0.1:0", max_restarts=args.max_restarts,
@@ -113,8 +172,10 @@ def launch_options(args: argparse.Namespace):
         startup_timeout=args.startup_timeout, collective_timeout=args.collective_timeout,
         grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
         crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
-        spares=not args.no_spares,
+        spares=not args.no_spares, bind_host=args.host, token_file=args.token_file,
     )  # fmt: skip
+    check_options(opts)
+    return opts
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -223,7 +284,23 @@ def _add_launch_parser(sub) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="rank-0 agent's address (control channel; HOST also serves jax)",
+        help="rank-0 agent's address (control channel; HOST also serves jax); IPv6 as [ADDR]:PORT",
+    )
+    la.add_argument(
+        "--host",
+        default=None,
+        metavar="ADDR",
+        help="address the rank-0 agent's control channel and jax's coordinator bind to "
+        "(default: 127.0.0.1 on one node, else exactly the --coordinator host; 0.0.0.0 or :: "
+        "for every interface)",
+    )
+    la.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="the agents' shared secret, a file only you can read (default: $JAXPAR_LAUNCH_TOKEN, "
+        "else RUN_DIR/launch-token, created 0600 by the first agent); every agent must use the "
+        "same",
     )
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
     la.set_defaults(func=cmd_launch)
@@ -250,7 +327,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
-    names = _names(any(a in ("-h", "--help") for a in argv))
+    # only `inspect --help` and `bench --help` list recipes and presets (they import jax)
+    names = _names(
+        argv[:1] in (["inspect"], ["bench"]) and any(a in ("-h", "--help") for a in argv)
+    )
     raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -286,6 +366,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
+    _add_data_parser(sub)
+    _add_model_parsers(sub)
     return p
 
 

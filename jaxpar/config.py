@@ -28,10 +28,13 @@ class ModelConfig(Protocol):
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib_text"  # see jaxpar.data.SOURCES
+    # a name in jaxpar.data.SOURCES, MODULE:CALLABLE, or (from a recipe) a source object/factory
+    source: Any = "stdlib_text"
     global_batch: int = 32
     seq_len: int = 64  # lm sources only
     seed: int = 0
+    path: str = ""  # tokens: the folder written by `jaxpar data prepare` (docs/data.md)
+    dtype: str = ""  # tokens: uint16 | uint32; "" = meta.json's (uint16 for nanoGPT's .bin)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,9 @@ def to_dict(cfg: Any) -> dict:
             v = d
         elif isinstance(v, tuple):
             v = list(v)
+        elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
+            t = v if hasattr(v, "__qualname__") else type(v)
+            v = f"{t.__module__}:{t.__qualname__}"
         out[f.name] = v
     return out
 
@@ -319,6 +325,7 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
     "data.global_batch": AT_LEAST_1,
     "data.seq_len": AT_LEAST_1,
     "data.seed": NON_NEGATIVE,
+    "data.dtype": ("", "uint16", "uint32"),
     "optim.name": ("adamw", "sgd"),
     "optim.lr": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
@@ -401,8 +408,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")
     from jaxpar.data import SOURCES  # the data module owns the list
 
-    if cfg.data.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.data.source!r} is not allowed: use one of {SOURCES}")
+    source = cfg.data.source
+    if isinstance(source, str) and ":" not in source and source not in SOURCES:
+        raise ValueError(
+            f"data.source={source!r} is not allowed: use one of {SOURCES} or MODULE:CALLABLE"
+        )
     return cfg
 
 

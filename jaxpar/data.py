@@ -11,9 +11,16 @@ restored under another process count; random access into a grain `MapDataset` ca
                        process_index=jax.process_index(), process_count=jax.process_count())
     batch = to_device(local, {"inputs": sharding, "targets": sharding}, global_batch=32)
 
-Sources (`SOURCES`):
+A source is any object with the `Source` protocol below (random access: example `i` of a split
+-> dict of numpy arrays, the split's length, the example spec). `make_source` takes a built-in
+name, a `module:callable` name, a ready source object, or a factory callable; a factory is
+called with one `SourceArgs` (docs/data.md has a worked example).
+
+Built-in sources (`SOURCES`):
 - `stdlib_text`: bytes of the Python standard library's `.py` files (sorted paths, ~8 MB); the
   last 5% of bytes is the `eval` split. An example is a window at a keyed pseudo-random offset.
+- `tokens`: pre-tokenized shards read through `np.memmap` (jaxpar/data_tokens.py; written by
+  `jaxpar data prepare`, or nanoGPT's train.bin/val.bin).
 - `digits`: scikit-learn's bundled 8x8 digits (no download); fixed 80/20 train/eval split,
   reshuffled every epoch with the seed.
 - `synthetic_text`, `synthetic_image`: random examples keyed by index; no I/O (benchmarks).
@@ -25,17 +32,19 @@ one); `classify` -> {"image": float32[H, W, C], "label": int32[]}.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 import sysconfig
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grain
 import jax
 import numpy as np
 
-SOURCES = ("stdlib_text", "digits", "synthetic_text", "synthetic_image")
+SOURCES = ("stdlib_text", "tokens", "digits", "synthetic_text", "synthetic_image")
+KINDS = ("lm", "classify")
 SPLITS = ("train", "eval")
 
 _CORPUS_CAP_BYTES = 8_000_000  # whole files up to this size: loads in well under a second
@@ -50,10 +59,17 @@ _SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
 class Source(Protocol):
-    """A random-access example source.
+    """A random-access example source (the data-source protocol).
 
+    Required: `name`, `kind` ("lm" or "classify"), `example(index, split)` and `size(split)`.
     `lm` sources also carry `seq_len` and `vocab_size`; `classify` sources carry `image_shape`
-    and `num_classes`.
+    and `num_classes`. Optional: `spec()` (the example's shapes and dtypes without reading one;
+    default: read example 0), `describe()` (one line), `vocab_fixed` (True when the data fixes
+    the vocabulary, e.g. a trained tokenizer: the model's `vocab_size` must then equal it) and
+    `tokenizer_file` (a Hugging Face tokenizer.json that turns ids back into text).
+
+    The contract every source keeps: `example` is a pure function of (source, index, split), so
+    the batch of step s is a pure function of (source, seed, step) on any process count.
     """
 
     name: str
@@ -68,10 +84,34 @@ class Source(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SourceArgs:
+    """What a source factory (`data.source=module:callable`) is called with."""
+
+    seq_len: int = 64  # the model's context (lm sources)
+    vocab_size: int = 256  # the model's vocabulary (lm sources)
+    seed: int = 0  # data.seed: the source's own randomness
+    path: str = ""  # data.path
+    dtype: str = ""  # data.dtype
+
+
 def _split_id(split: str) -> int:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     return SPLITS.index(split)
+
+
+def lm_spec(seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The example spec of every `lm` source: int32 inputs and targets of `seq_len`."""
+    one = jax.ShapeDtypeStruct((seq_len,), np.int32)
+    return {"inputs": one, "targets": one}
+
+
+def _classify_spec(image_shape: tuple[int, ...]) -> dict[str, jax.ShapeDtypeStruct]:
+    return {
+        "image": jax.ShapeDtypeStruct(image_shape, np.float32),
+        "label": jax.ShapeDtypeStruct((), np.int32),
+    }
 
 
 def _lm_example(window: np.ndarray) -> dict[str, np.ndarray]:
@@ -142,6 +182,9 @@ class TextCorpusSource:
         _split_id(split)
         return None
 
+    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return lm_spec(self.seq_len)
+
     def window_offset(self, index: int, split: str) -> int:
         """Start of the (seq_len + 1)-byte window of example `index`; depends on nothing else."""
         lo, hi = self.split_bytes(split)
@@ -193,6 +236,9 @@ class DigitsSource:
     def size(self, split: str) -> int | None:
         return len(_digits_arrays()[2][SPLITS[_split_id(split)]])
 
+    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return _classify_spec(self.image_shape)
+
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
         images, labels, splits = _digits_arrays()
         rows = splits[SPLITS[_split_id(split)]]
@@ -226,6 +272,9 @@ class SyntheticTextSource:
     def size(self, split: str) -> int | None:
         _split_id(split)
         return None
+
+    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return lm_spec(self.seq_len)
 
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, _split_id(split), index])
@@ -261,6 +310,9 @@ class SyntheticImageSource:
         _split_id(split)
         return None
 
+    def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return _classify_spec(self.image_shape)
+
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, _split_id(split), index])
         label = rng.integers(0, self.num_classes)
@@ -279,17 +331,34 @@ class SyntheticImageSource:
 # public API
 
 
-def make_source(name: str, *, seq_len: int = 64, vocab_size: int = 256, seed: int = 0) -> Source:
-    """Build a source by name (one of `SOURCES`).
+def make_source(
+    name: Any,
+    *,
+    seq_len: int = 64,
+    vocab_size: int = 256,
+    seed: int = 0,
+    path: str = "",
+    dtype: str = "",
+) -> Source:
+    """Build a source from a built-in name (`SOURCES`), a `module:callable` name, a source object
+    or a factory callable (called with one `SourceArgs`).
 
     `seed` fixes the source's own randomness (synthetic contents, text window offsets); the order
     in which examples are visited is `host_batch`'s seed. `seq_len`/`vocab_size` apply to `lm`
-    sources only.
+    sources only; `path`/`dtype` to `tokens` (and to user factories that want them).
     """
-    if name not in SOURCES:
-        raise ValueError(f"unknown data source {name!r}; use one of {SOURCES}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    args = SourceArgs(seq_len=seq_len, vocab_size=vocab_size, seed=seed, path=path, dtype=dtype)
+    if not isinstance(name, str):
+        return check_source(_from_object(name, args), source_label(name))
+    if ":" in name:
+        return check_source(_from_object(_import(name), args), name)
+    if name not in SOURCES:
+        raise ValueError(
+            f"unknown data source {name!r}; use one of {SOURCES} or MODULE:CALLABLE for your own "
+            "(see docs/data.md)"
+        )
     if name == "digits":
         _digits_arrays()  # load now: a missing scikit-learn fails here, not at step 0
         return DigitsSource()
@@ -297,6 +366,10 @@ def make_source(name: str, *, seq_len: int = 64, vocab_size: int = 256, seed: in
         return SyntheticImageSource(seed=seed)
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if name == "tokens":
+        from jaxpar import data_tokens  # noqa: PLC0415 - it builds on this module
+
+        return data_tokens.open_tokens(path, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype)
     if name == "synthetic_text":
         if vocab_size < 2:
             raise ValueError(f"synthetic_text needs vocab_size >= 2, got {vocab_size}")
@@ -314,6 +387,57 @@ def make_source(name: str, *, seq_len: int = 64, vocab_size: int = 256, seed: in
             f"seq_len={seq_len} does not fit the {name} eval split ({smallest} bytes); "
             f"use seq_len <= {smallest - 1}"
         )
+    return source
+
+
+def source_label(source: Any) -> str:
+    """A JSON-ready name for `data.source` (a string as is; an object or factory by its path)."""
+    if isinstance(source, str):
+        return source
+    t = source if hasattr(source, "__qualname__") else type(source)  # a factory, else an object
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def _import(name: str) -> Any:
+    mod_name, _, attr = name.partition(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # a user's module beside the checkout, like recipes
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"data source {name!r}: cannot import {mod_name!r} ({e}); put the module on sys.path "
+            "(the current directory counts)"
+        ) from None
+    obj = getattr(mod, attr, None) if attr else None
+    if obj is None:
+        raise ValueError(f"data source {name!r}: module {mod_name!r} has no attribute {attr!r}")
+    return obj
+
+
+def _from_object(obj: Any, args: SourceArgs) -> Any:
+    """A source object as is; a factory (class or function) called with `args`."""
+    if hasattr(obj, "example") and not isinstance(obj, type):
+        return obj
+    if callable(obj):
+        return obj(args)
+    raise ValueError(f"data source {obj!r} is neither a source nor a callable returning one")
+
+
+def check_source(source: Any, label: str) -> Source:
+    """Check that `source` follows the protocol; ValueError naming what is missing."""
+    missing = [a for a in ("name", "kind", "example", "size") if not hasattr(source, a)]
+    if missing:
+        raise ValueError(
+            f"data source {label!r} returned {type(source).__name__}, which lacks {missing}; a "
+            "source needs name, kind, example(index, split) and size(split) (docs/data.md)"
+        )
+    if source.kind not in KINDS:
+        raise ValueError(f"data source {label!r}: kind={source.kind!r}; use one of {KINDS}")
+    need = ("seq_len", "vocab_size") if source.kind == "lm" else ("image_shape", "num_classes")
+    lacking = [a for a in need if not hasattr(source, a)]
+    if lacking:
+        raise ValueError(f"data source {label!r}: a {source.kind} source needs {lacking}")
     return source
 
 
@@ -398,9 +522,15 @@ def global_batch(
 
 
 def batch_spec(source: Source, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """Global shapes and dtypes of a batch, without building one (for tracing/compiling)."""
-    one = source.example(0, "train")
-    return {k: jax.ShapeDtypeStruct((global_batch, *v.shape), v.dtype) for k, v in one.items()}
+    """Global shapes and dtypes of a batch, without building one (for tracing/compiling).
+
+    From the source's `spec()` where it has one, else from its example 0."""
+    own = getattr(source, "spec", None)
+    one = own() if callable(own) else source.example(0, "train")
+    return {
+        k: jax.ShapeDtypeStruct((global_batch, *np.shape(v)), np.dtype(v.dtype))
+        for k, v in one.items()
+    }
 
 
 def to_device(

@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import runlog
 from jaxpar.launch import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
 from jaxpar.metrics import RunDir
+from jaxpar.runlog import W
 
 KINDS = ("kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow")
 
@@ -126,7 +128,7 @@ class Faults:
 
     def __init__(self, specs: list[FaultSpec], run: RunDir, process_index: int):
         self.run = run
-        fired = {e.get("spec") for e in run.events() if e.get("event") == "fault_injected"}
+        fired = {e.get("spec") for e in run.events() if e.get("event") == W.FAULT_INJECTED}
         self.specs = [
             s
             for s in specs
@@ -145,7 +147,7 @@ class Faults:
                 self.fired.append(s.text)
                 if s.process == self.process:
                     self.run.event(
-                        "fault_injected", all_processes=True, kind=s.kind, spec=s.text,
+                        W.FAULT_INJECTED, all_processes=True, kind=s.kind, spec=s.text,
                         process=self.process, step=step, permanent=s.permanent,
                     )  # fmt: skip
                 return s
@@ -166,11 +168,12 @@ class Faults:
                 time.sleep(3600)
         if self._take("sigterm", at):
             os.kill(os.getpid(), signal.SIGTERM)
+            _await_preemption_notice()
         if any(s.kind == "corrupt" and s.step == at for s in self.specs):
             if self.wait_for_saves is not None:
                 self.wait_for_saves()  # the newest checkpoint is the committed one
             self._take("corrupt", at)
-            corrupt_newest(self.run.file("checkpoints"))
+            corrupt_newest(self.run.file(runlog.CHECKPOINTS))
 
     def poison(self, step: int) -> float:
         """Factor multiplied into the loss inside the compiled step (NaN poisons it)."""
@@ -306,3 +309,20 @@ def corrupt_newest(ckpt_dir: str, mode: str = "flip") -> str | None:
         fh.seek(where)
         fh.write(bytes([byte[0] ^ 0xFF]))
     return target
+
+
+def _await_preemption_notice(timeout_ms: int = 30_000) -> None:
+    """Block until jax's coordination service holds this process's preemption notice.
+
+    jax's SIGTERM listener looks for the signal once a second, so without this the notice may
+    reach the other processes only after the last step, and the run ends without the coordinated
+    save the fault is meant to cause. A no-op outside a multi-process job."""
+    from jax._src import distributed  # the client jax.distributed.initialize made
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.blocking_key_value_get("RECEIVED_PREEMPTION_NOTICE", timeout_ms)
+    except jax.errors.JaxRuntimeError:  # not there in time: the loop goes on as it would have
+        pass

@@ -8,7 +8,7 @@ A worker (normally `python -m train`) calls, before jax's first use:
     with launch.guard():           # collective error -> os._exit(EXIT_COLLECTIVE)
         ...train, calling launch.heartbeat(run_dir, step) when about to run each step...
 
-The environment `jaxpar launch` (jaxpar/supervisor.py) gives each worker is the contract below
+The environment `jaxpar launch` (jaxpar/supervisor/) gives each worker is the contract below
 (ENV_*); cluster launchers (srun, mpirun) give the environment jax detects itself. A worker
 takes its run directory from JAXPAR_RUN_DIR when its command has no --run-dir (the supervisor
 does not edit the command for that). XLA_FLAGS gets one compute thread per worker.
@@ -48,6 +48,10 @@ ENV_SUPERVISOR_PID = "JAXPAR_SUPERVISOR_PID"  # the worker dies with it (Linux P
 ENV_FAULTS = "JAXPAR_FAULTS"  # fault specs, ';'-separated (jaxpar/faults.py)
 ENV_HEARTBEAT_TIMEOUT = "JAXPAR_HEARTBEAT_TIMEOUT_S"  # jax.distributed's dead-process timeout
 ENV_COLLECTIVE_TIMEOUT = "JAXPAR_COLLECTIVE_TIMEOUT_S"  # a collective waiting longer aborts
+# After an elastic shrink: the layout the training loop must use, whatever its command line says
+# (jaxpar.trainer applies it, so any entrypoint can be shrunk).
+ENV_MESH = "JAXPAR_MESH"  # mesh spec, e.g. "data=4,fsdp=1,tensor=1,pipeline=1"
+ENV_MICROBATCHES = "JAXPAR_MICROBATCHES"  # gradient-accumulation microbatches per step
 
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 HEARTBEAT_DIR = "heartbeats"

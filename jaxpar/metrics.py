@@ -1,23 +1,29 @@
 """Run-directory writers (config, metrics, events, summary), progress display, MFU and goodput.
 
-The run-directory contract is in DESIGN.md: metrics.jsonl has one line per optimizer step
-(process 0), events.jsonl one JSON object per line written with a single append, and readers
-take the last metrics line per step (steps after a restored checkpoint appear again).
+The run-directory contract (file names, event names, the JSONL writer and readers) is
+jaxpar/runlog.py's and docs/design.md's: metrics.jsonl has one line per optimizer step (process
+0), events.jsonl one JSON object per line written with a single append, and readers take the last
+metrics line per step (steps after a restored checkpoint appear again).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from jaxpar import runlog
+from jaxpar.runlog import (  # noqa: F401  (re-exported: the writers' and readers' old home)
+    append_line,
+    dumps,
+    last_per_step,
+    read_jsonl,
+    write_json,
+)
 
 # Peak dense bf16 FLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
 PEAK_FLOPS: dict[str, float] = {
@@ -53,130 +59,6 @@ def mfu(flops_per_step: float | None, step_time_s: float, devices: int, peak: fl
     return flops_per_step / step_time_s / (devices * peak)
 
 
-def _json_default(x: Any):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-def finite(obj: Any) -> Any:
-    """`obj` with every non-finite float (NaN, +-Infinity) replaced by None: strict JSON."""
-    if isinstance(obj, float | np.floating):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def dumps(obj: Any) -> str:
-    """Strict JSON (no NaN/Infinity tokens: non-finite floats become null)."""
-    return json.dumps(finite(obj), default=_json_default, allow_nan=False)
-
-
-def append_line(path: str, obj: dict) -> None:
-    """Append one JSON line with a single write (lines from several processes never interleave).
-
-    If the file ends in a torn line (a crash or a full disk mid-write), the record starts on a
-    fresh line, so the torn one is skipped by readers instead of swallowing this one."""
-    data = (dumps(obj) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        written = os.write(fd, data)
-        if written != len(data):  # a short write (full disk): never leave a torn record
-            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)", path)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename): readers never see a half-written file. On an
-    error (a full disk) the temporary file is removed."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(finite(obj), indent=2, default=_json_default, allow_nan=False))
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def read_jsonl_counted(path: str) -> tuple[list[dict], int]:
-    """(records, unreadable line count) of a JSONL file; ([], 0) if absent.
-
-    A line that is not a JSON object (torn by a crash, binary garbage, bad UTF-8) is skipped and
-    counted, never fatal: the file is an append-only log shared by many writers."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except FileNotFoundError:
-        return [], 0
-    out, bad = [], 0
-    for raw in blob.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-        else:
-            bad += 1
-    return out, bad
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """All readable JSON-object lines of a JSONL file ([] if absent); see read_jsonl_counted."""
-    return read_jsonl_counted(path)[0]
-
-
-# Keys whose values readers do arithmetic on: a number (or null) wherever they appear.
-NUMERIC_KEYS = (
-    "step", "time", "incarnation", "loss", "eval_loss", "step_time_s", "tokens_per_s",
-    "samples_per_s", "seconds", "blocking_s", "nproc",
-)  # fmt: skip
-_INT_KEYS = ("step", "incarnation", "nproc")
-
-
-def well_formed(records: Iterable[dict], required: tuple[str, ...] = ()) -> list[dict]:
-    """The records whose NUMERIC_KEYS hold numbers (ints for step/incarnation/nproc) and which
-    have every `required` key: a run directory is untrusted input, so a report on a hand-edited
-    or damaged file skips the lines it cannot use instead of failing on them."""
-
-    def ok(r: dict) -> bool:
-        for key in NUMERIC_KEYS:
-            v = r.get(key)
-            if v is None:
-                if key in required:
-                    return False
-                continue
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                return False
-            if key in _INT_KEYS and not float(v).is_integer():
-                return False
-        return all(k in r for k in required)
-
-    return [r for r in records if ok(r)]
-
-
-def last_per_step(lines: Iterable[dict], key: str = "loss") -> dict[int, dict]:
-    """The last metrics line for each step (restarts re-log steps after the restored one)."""
-    out: dict[int, dict] = {}
-    for line in lines:
-        if key in line and "step" in line:
-            out[int(line["step"])] = line
-    return dict(sorted(out.items()))
-
-
 class RunDir:
     """Paths and writers of one run directory, shared by the supervisor and every process."""
 
@@ -204,8 +86,8 @@ class RunDir:
     def unreadable_lines(self) -> dict[str, int]:
         """File name -> lines skipped as unreadable, for metrics.jsonl and events.jsonl."""
         out = {}
-        for name in ("events.jsonl", "metrics.jsonl"):
-            bad = read_jsonl_counted(self.file(name))[1]
+        for name in (runlog.EVENTS, runlog.METRICS):
+            bad = runlog.read_jsonl_counted(self.file(name))[1]
             if bad:
                 out[name] = bad
         return out
@@ -218,7 +100,9 @@ class RunDir:
         return self.process_index == 0
 
     def count_starts(self) -> int:
-        return sum(1 for e in read_jsonl(self.file("events.jsonl")) if e.get("event") == "start")
+        return sum(
+            1 for e in read_jsonl(self.file(runlog.EVENTS)) if e.get("event") == runlog.W.START
+        )
 
     def event(self, event: str, *, all_processes: bool = False, **fields: Any) -> None:
         """Append an event (process 0 only, unless `all_processes`)."""
@@ -227,24 +111,24 @@ class RunDir:
         line = {"event": event, "time": time.time(), "incarnation": self.incarnation, **fields}
         if all_processes:
             line.setdefault("process", self.process_index)
-        append_line(self.file("events.jsonl"), line)
+        append_line(self.file(runlog.EVENTS), line)
 
     def metrics(self, line: dict) -> None:
         if self.is_writer:
-            append_line(self.file("metrics.jsonl"), {**line, "incarnation": self.incarnation})
+            append_line(self.file(runlog.METRICS), {**line, "incarnation": self.incarnation})
 
     def write_incarnation(self) -> None:
         if self.is_writer:
-            with open(self.file("incarnation"), "w") as f:
+            with open(self.file(runlog.INCARNATION), "w") as f:
                 f.write(f"{self.incarnation}\n")
 
     def events(self) -> list[dict]:
-        return read_jsonl(self.file("events.jsonl"))
+        return read_jsonl(self.file(runlog.EVENTS))
 
 
 def summarize(run: RunDir, wall_s: float, restarts: int = 0) -> dict:
-    """summary.json contents from metrics.jsonl and events.jsonl (see DESIGN.md's contract)."""
-    lines = well_formed(read_jsonl(run.file("metrics.jsonl")))
+    """summary.json contents from metrics.jsonl and events.jsonl (docs/design.md, "Run directory")."""
+    lines = runlog.well_formed(read_jsonl(run.file(runlog.METRICS)))
     per_step = last_per_step(lines)
     all_steps = [line for line in lines if "loss" in line]
     productive = sum(line.get("step_time_s", 0.0) for line in per_step.values())
@@ -337,7 +221,7 @@ class TensorBoardWriter:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(
-                logdir=run.file("tensorboard"),
+                logdir=run.file(runlog.TENSORBOARD),
                 flush_secs=flush_secs,
                 filename_suffix=f".inc{run.incarnation}",
             )

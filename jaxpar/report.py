@@ -2,25 +2,12 @@
 
     jaxpar report runs/gpt_tiny-20250101-120000
 
-Reads only the run-directory contract (DESIGN.md): metrics.jsonl, events.jsonl, and config.json
-where present. Works for a finished run, a run with restarts, restores and shrinks, and a run still
-in progress (its timeline ends at the newest record). Plots use matplotlib's object API (no
-pyplot), so rendering never changes the caller's backend.
-
-Time accounting (the goodput timeline). A launched run begins with start-up from the supervisor's
-`launch` to the first `start`. Each incarnation runs from its `start` event to its newest worker
-record; within it:
-  start-up / restore  `start` -> compile began (`compiled` time - its seconds): mesh, program,
-                      init, or the restore when the incarnation restored a checkpoint
-  compile             the `compiled` event's seconds
-  productive          step_time_s of the metrics line that is last for its step
-  recomputed          step_time_s of lines a later incarnation logged again (work lost)
-  checkpoint          blocking_s of each `save_end`
-  other               the rest: input pipeline, evaluation, host work between steps
-Between incarnations: `detection` (newest record of the failed incarnation -> the supervisor's
-`failure` or `preemption` event) and `restart` (-> the next `start`: teardown, relaunch, imports,
-jax.distributed). After a clean `done` the gap is idle and counts nowhere. Goodput = productive /
-wall-clock. Launched runs also get the supervisor's recovery phases (jaxpar/goodput.py).
+Reads only the run-directory contract (jaxpar/runlog.py, docs/design.md): metrics.jsonl,
+events.jsonl, and config.json where present. Works for a finished run, a run with restarts,
+restores and shrinks, and a run still in progress (its timeline ends at the newest record). The
+time accounting and the incidents are runlog.timeline()'s, the same that summary.json and
+`jaxpar launch` print. Plots use matplotlib's object API (no pyplot), so rendering never changes
+the caller's backend.
 """
 
 from __future__ import annotations
@@ -29,267 +16,109 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar import goodput
-from jaxpar.goodput import ENDING_FAULTS
-from jaxpar.metrics import last_per_step, read_jsonl, well_formed
+from jaxpar import runlog
+from jaxpar.runlog import PHASES, Incarnation, Incident, S
 
-# Written by `jaxpar launch`, not by workers: they never extend an incarnation's span.
-SUPERVISOR_EVENTS = (
-    "launch", "group_started", "failure", "preemption", "survivors_stopped", "restart", "shrink",
-    "gave_up", "stacks_dumped", "straggler",
-)  # fmt: skip
-DETECTIONS = ("failure", "preemption")  # the supervisor noticed an incarnation ending
-
-# cause -> (label, colour); the order is the legend's.
+# cause -> (label, colour); the order is the legend's (runlog.CAUSES).
 CAUSES: dict[str, tuple[str, str]] = {
-    "productive": ("productive steps", "#2ca02c"),
-    "startup": ("start-up (build, init)", "#8c8c8c"),
-    "restore": ("restore", "#17becf"),
-    "compile": ("compile", "#ff7f0e"),
-    "checkpoint": ("checkpoint (blocking)", "#1f77b4"),
-    "recomputed": ("recomputed steps", "#e377c2"),
-    "detection": ("failure detection", "#8b0000"),
-    "restart": ("restart (teardown, relaunch, worker init)", "#d62728"),
-    "other": ("other (data, eval, host)", "#dddddd"),
-}
+    cause: (label, colour)
+    for (cause, label), colour in zip(
+        runlog.CAUSES.items(),
+        ("#2ca02c", "#8c8c8c", "#17becf", "#ff7f0e", "#1f77b4", "#e377c2", "#8b0000", "#d62728",
+         "#dddddd"),
+        strict=True,
+    )
+}  # fmt: skip
 INC_COLOURS = ("tab:blue", "tab:olive", "tab:purple", "tab:brown", "tab:cyan", "tab:gray")
 MARK = {"failure": "crimson", "restore": "seagreen", "shrink": "darkviolet"}
-
-
-@dataclass
-class Incarnation:
-    """One start of the run: its worker events and metrics lines."""
-
-    index: int
-    start: float
-    end: float = 0.0  # newest worker record
-    train: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-
-    def first(self, name: str) -> dict | None:
-        return next((e for e in self.events if e["event"] == name), None)
-
-    def last(self, name: str) -> dict | None:
-        return next((e for e in reversed(self.events) if e["event"] == name), None)
-
-    def ending_fault(self) -> dict | None:
-        kinds = [e for e in self.events if e["event"] == "fault_injected"]
-        return next((e for e in reversed(kinds) if e.get("kind") in ENDING_FAULTS), None)
-
-
-@dataclass
-class Restart:
-    """What ended incarnation `index - 1` and how incarnation `index` resumed."""
-
-    index: int
-    cause: str
-    failed_at_step: int | None
-    resumed_from: int  # restored checkpoint step (0: started over)
-    restored: bool
-    shrink: dict | None
-    recovery_s: float | None  # first metrics line of the new incarnation - the failure's cause
 
 
 @dataclass
 class Analysis:
     run_dir: str
     config: dict
-    incarnations: list[Incarnation]
-    per_step: dict[int, dict]
+    timeline: runlog.Timeline
     evals: dict[int, dict]
-    intervals: list[tuple[int, float, float, str]]  # (row, t0, t1, cause); t relative to t0
-    totals: dict[str, float]
-    wall_s: float
-    t0: float
-    restarts: list[Restart]
-    status: str
     supervisor: list[dict]
-    ledger: list[dict]  # jaxpar.goodput incidents (launched runs): recovery phases
+
+    @property
+    def incarnations(self) -> list[Incarnation]:
+        return self.timeline.incarnations
+
+    @property
+    def per_step(self) -> dict[int, dict]:
+        return self.timeline.per_step
+
+    @property
+    def intervals(self) -> list[tuple[int, float, float, str]]:
+        return self.timeline.intervals
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return self.timeline.totals
+
+    @property
+    def wall_s(self) -> float:
+        return self.timeline.wall_s
+
+    @property
+    def t0(self) -> float:
+        return self.timeline.t0
 
     @property
     def goodput(self) -> float | None:
-        return self.totals["productive"] / self.wall_s if self.wall_s > 0 else None
+        return self.timeline.goodput
+
+    @property
+    def status(self) -> str:
+        tl = self.timeline
+        return f"{tl.status} ({tl.status_detail})" if tl.status_detail else tl.status
+
+    @property
+    def restarts(self) -> list[Incident]:
+        """Incidents after which an incarnation resumed, in its order."""
+        return [i for i in self.timeline.incidents if i.resumed is not None]
+
+    @property
+    def ledger(self) -> list[dict]:
+        """The supervisor-detected incidents (summary.json's `incidents`)."""
+        return self.timeline.ledger()
 
 
 def load(run_dir: str) -> tuple[list[dict], list[dict], dict]:
     """(events, metrics lines, config) of a run directory; ValueError if it is not one."""
-    ev_path, m_path = (os.path.join(run_dir, n) for n in ("events.jsonl", "metrics.jsonl"))
+    ev_path, m_path = (os.path.join(run_dir, n) for n in (runlog.EVENTS, runlog.METRICS))
     if not (os.path.exists(ev_path) or os.path.exists(m_path)):
         raise ValueError(
-            f"{run_dir}: no events.jsonl or metrics.jsonl; give the directory a run wrote "
+            f"{run_dir}: no {runlog.EVENTS} or {runlog.METRICS}; give the directory a run wrote "
             f"(python -m train --run-dir DIR, or jaxpar launch --run-dir DIR)"
         )
     config = {}
-    cfg_path = os.path.join(run_dir, "config.json")
+    cfg_path = os.path.join(run_dir, runlog.CONFIG)
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             config = json.load(f)
-    events = well_formed(read_jsonl(ev_path), required=("event", "time"))
-    return events, well_formed(read_jsonl(m_path)), config
-
-
-def _incarnations(events: list[dict], lines: list[dict]) -> list[Incarnation]:
-    incs: dict[int, Incarnation] = {}
-    for e in events:
-        if e.get("event") == "start" and e.get("incarnation", 0) not in incs:
-            incs[e.get("incarnation", 0)] = Incarnation(e.get("incarnation", 0), e["time"])
-    for line in lines:  # lines of an incarnation whose start event is missing (older writers)
-        k = line.get("incarnation", 0)
-        if k not in incs and "time" in line:
-            incs[k] = Incarnation(k, line["time"] - line.get("step_time_s", 0.0))
-    for e in events:
-        inc = incs.get(e.get("incarnation", 0))
-        if inc is not None and e.get("event") not in SUPERVISOR_EVENTS:
-            inc.events.append(e)
-            inc.end = max(inc.end, e["time"])
-    for line in lines:
-        inc = incs[line.get("incarnation", 0)]
-        if "loss" in line:
-            inc.train.append(line)
-        elif "eval_loss" in line:
-            inc.evals.append(line)
-        inc.end = max(inc.end, line.get("time", inc.start))
-    for inc in incs.values():
-        inc.end = max(inc.end, inc.start)
-    return [incs[k] for k in sorted(incs)]
-
-
-def _within(inc: Incarnation, winners: set[int]) -> list[tuple[float, float, str]]:
-    out = []
-    compiled = inc.first("compiled")
-    if compiled:
-        began = compiled["time"] - compiled.get("seconds", 0.0)
-        out.append((inc.start, began, "restore" if inc.first("restore") else "startup"))
-        out.append((began, compiled["time"], "compile"))
-    else:  # still building or compiling
-        out.append((inc.start, inc.end, "restore" if inc.first("restore") else "startup"))
-    for line in inc.train:
-        cause = "productive" if id(line) in winners else "recomputed"
-        out.append((line["time"] - line.get("step_time_s", 0.0), line["time"], cause))
-    for e in inc.events:
-        if e["event"] == "save_end" and e.get("blocking_s"):
-            out.append((e["time"] - e["blocking_s"], e["time"], "checkpoint"))
-    return out
-
-
-def _gap(prev: Incarnation, nxt_start: float | None, failures: list[dict]):
-    """Intervals after `prev`'s newest record: detection and restart, or nothing after `done`."""
-    if prev.last("done") and not prev.ending_fault():
-        return []
-    fail = next((f["time"] for f in failures if prev.start <= f["time"]), None)
-    if nxt_start is not None:
-        fail = fail if fail is not None and fail < nxt_start else None
-    out = []
-    if fail is not None and fail > prev.end:
-        out.append((prev.end, fail, "detection"))
-    begin = max(prev.end, fail) if fail is not None else prev.end
-    if nxt_start is not None and nxt_start > begin:
-        out.append((begin, nxt_start, "restart"))
-    return out
-
-
-def _timeline(incs: list[Incarnation], per_step: dict, events: list[dict]):
-    winners = {id(v) for v in per_step.values()}
-    failures = [e for e in events if e.get("event") in DETECTIONS]
-    intervals, totals, wall = [], dict.fromkeys(CAUSES, 0.0), 0.0
-    launch = next((e for e in events if e.get("event") == "launch"), None)
-    t0 = incs[0].start
-    if launch and launch["time"] < t0:  # spawn, imports and jax.distributed before the 1st start
-        t0 = launch["time"]
-        intervals.append((incs[0].index, 0.0, incs[0].start - t0, "startup"))
-        totals["startup"] = wall = incs[0].start - t0
-    for i, inc in enumerate(incs):
-        own = _within(inc, winners)
-        span = inc.end - inc.start
-        nxt = incs[i + 1].start if i + 1 < len(incs) else None
-        gap = _gap(inc, nxt, failures)
-        for a, b, cause in own + gap:
-            b = max(a, b)
-            intervals.append((inc.index, a - t0, b - t0, cause))
-            totals[cause] += b - a
-        wall += span + sum(b - a for a, b, _ in gap)
-        totals["other"] += max(0.0, span - sum(b - a for a, b, _ in own))
-    return intervals, totals, wall, t0
-
-
-def _cause(prev: Incarnation, failures: list[dict]) -> tuple[str, float | None]:
-    """Why `prev` ended, and the time of that cause (DESIGN.md's recovery-time start)."""
-    fault = prev.ending_fault()
-    if fault:
-        where = f"process {fault.get('process', 0)}, step {fault.get('step')}"
-        return f"injected {fault.get('spec', fault.get('kind'))} ({where})", fault["time"]
-    fail = next((f for f in failures if f["time"] >= prev.start), None)
-    if fail:
-        what = f"{fail.get('cause', fail['event'])} of process {fail.get('process', '?')}"
-        if fail.get("code") is not None:
-            what += f" (code {fail['code']})"
-        return f"failure: {what}", fail["time"]
-    for name in ("preempted", "nonfinite", "replica_mismatch", "wall_time_limit"):
-        e = prev.last(name)
-        if e:
-            return f"{name} at step {e.get('step')}", e["time"]
-    if prev.last("done"):
-        return "rerun after a finished run", None
-    return "rerun (no failure recorded)", None
-
-
-def _restarts(incs: list[Incarnation], events: list[dict]) -> list[Restart]:
-    failures = [e for e in events if e.get("event") in DETECTIONS]
-    shrinks = [e for e in events if e.get("event") == "shrink"]
-    out = []
-    for prev, inc in zip(incs, incs[1:], strict=False):
-        cause, t_cause = _cause(prev, [f for f in failures if f["time"] <= inc.start])
-        fault = prev.ending_fault()
-        steps = [int(x["step"]) for x in prev.train]
-        failed_at = fault.get("step") if fault else (max(steps) + 1 if steps else None)
-        restore = inc.first("restore")
-        shrink = next((s for s in shrinks if prev.start <= s["time"] <= inc.start), None)
-        first = inc.train[0]["time"] if inc.train else None
-        rec = first - t_cause if first is not None and t_cause is not None else None
-        resumed = int(restore["step"]) if restore else 0
-        out.append(Restart(inc.index, cause, failed_at, resumed, bool(restore), shrink, rec))
-    return out
-
-
-def _status(incs: list[Incarnation], events: list[dict]) -> str:
-    gave_up = [e for e in events if e.get("event") == "gave_up"]
-    if gave_up:
-        return f"gave up ({gave_up[-1].get('reason', '?')})"
-    last = incs[-1]
-    if last.last("done"):
-        return "finished"
-    age = time.time() - last.end
-    return f"in progress, or stopped without finishing (newest record {age:.0f} s ago)"
+    events = runlog.well_formed(runlog.read_jsonl(ev_path), required=("event", "time"))
+    return events, runlog.well_formed(runlog.read_jsonl(m_path)), config
 
 
 def analyze(run_dir: str) -> Analysis:
     """Everything the report shows, computed from the run directory's files."""
     events, lines, config = load(run_dir)
-    incs = _incarnations(events, lines)
-    if not incs:
-        raise ValueError(f"{run_dir}: events.jsonl has no start event and there are no metrics")
-    per_step = last_per_step(lines, "loss")
-    intervals, totals, wall, t0 = _timeline(incs, per_step, events)
-    supervisor = [e for e in events if e.get("event") in SUPERVISOR_EVENTS]
+    try:
+        tl = runlog.timeline(events, lines)
+    except ValueError as e:
+        raise ValueError(f"{run_dir}: {e}") from None
     return Analysis(
         run_dir=os.path.abspath(run_dir),
         config=config,
-        incarnations=incs,
-        per_step=per_step,
-        evals=last_per_step(lines, "eval_loss"),
-        intervals=intervals,
-        totals=totals,
-        wall_s=wall,
-        t0=t0,
-        restarts=_restarts(incs, events),
-        status=_status(incs, events),
-        supervisor=supervisor,
-        ledger=goodput.incidents(events, lines),
+        timeline=tl,
+        evals=runlog.last_per_step(lines, "eval_loss"),
+        supervisor=[e for e in events if e.get("event") in S.ALL],
     )
 
 
@@ -311,7 +140,7 @@ def _marks(ax, a: Analysis, text: bool = True) -> None:
     for r in a.restarts:
         marks = []
         if r.failed_at_step is not None:
-            label = f"restart {r.index} (failed @{r.failed_at_step})"
+            label = f"restart {r.resumed} (failed @{r.failed_at_step})"
             marks.append((r.failed_at_step, "failure", "--", label))
         label = f"restore @{r.resumed_from}" if r.restored else "no checkpoint: from step 0"
         marks.append((r.resumed_from, "restore", ":", label))
@@ -485,17 +314,19 @@ def _summary_rows(a: Analysis) -> list[tuple[str, str]]:
     lost = sum(len(i.train) for i in a.incarnations) - len(a.per_step)
     rate_key, lines = _rate_key(a), a.per_step.values()
     mem = [v["mem_gb"] for v in lines if v.get("mem_gb") is not None]
-    recov = [r.recovery_s for r in a.restarts if r.recovery_s is not None]
-    restores = [f"step {r.resumed_from} (incarnation {r.index})" for r in a.restarts if r.restored]
+    recov = [i.recovery_s for i in a.timeline.incidents if i.recovery_s is not None]
+    restores = [
+        f"step {r.resumed_from} (incarnation {r.resumed})" for r in a.restarts if r.restored
+    ]
     if a.restarts and not restores:
         restores = ["none (no committed checkpoint when restarted)"]
-    shrinks = [f"{_shrink(r)} processes (incarnation {r.index})" for r in a.restarts if r.shrink]
+    shrinks = [f"{_shrink(r)} processes (incarnation {r.resumed})" for r in a.restarts if r.shrink]
     return [
         ("status", a.status),
         ("steps completed", f"{steps}" + (f" / {target}" if target else "")),
         ("final loss", final),
         ("final eval loss", final_eval),
-        ("wall-clock (launch or first start → newest record, idle gaps excluded)",
+        ("wall-clock (launch or first start → end, idle gaps excluded)",
          f"{a.wall_s:.1f} s"),
         ("incarnations / restarts", f"{len(a.incarnations)} / {len(a.restarts)}"),
         ("restores", ", ".join(restores) or "none"),
@@ -503,7 +334,7 @@ def _summary_rows(a: Analysis) -> list[tuple[str, str]]:
         ("recomputed steps", f"{lost} ({a.totals['recomputed']:.1f} s)"),
         ("goodput (productive step time ÷ wall-clock)", _fmt(a.goodput, ".1%")),
         ("recovery time, mean (MTTR)",
-         f"{np.mean(recov):.1f} s over {len(recov)}" if recov else "n/a"),
+         f"{a.timeline.mttr_s:.1f} s over {len(recov)}" if recov else "n/a"),
         ("median step time", _fmt(_median(v.get("step_time_s") for v in lines)) + " s"),
         (f"median {rate_key.replace('_per_s', '/s')}",
          _fmt(_median(v.get(rate_key) for v in lines), ",.0f")),
@@ -513,7 +344,7 @@ def _summary_rows(a: Analysis) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
-def _shrink(r: Restart) -> str:
+def _shrink(r: Incident) -> str:
     return f"{r.shrink.get('from_nproc')}→{r.shrink.get('to_nproc')}" if r.shrink else ""
 
 
@@ -541,10 +372,11 @@ def _restart_section(a: Analysis) -> list[str]:
     for r in a.restarts:
         failed, rec = _fmt(r.failed_at_step, "d", ""), _fmt(r.recovery_s, ".1f", "")
         out.append(
-            f"| {r.index} | {r.cause} | {failed} | {r.resumed_from} | {_shrink(r)} | {rec} |"
+            f"| {r.resumed} | {r.description} | {failed} | {r.resumed_from} | {_shrink(r)} | {rec} |"
         )
     out += ["", "Recovery time = first metrics line of the new incarnation − the failure's cause "
-            "(the `fault_injected` event when injected, else the `failure` event)."]  # fmt: skip
+            "(the `fault_injected` event when injected, else the supervisor's detection minus a "
+            "hang's stale time, else the failed incarnation's own record; docs/design.md)."]  # fmt: skip
     out += _ledger_table(a.ledger)
     if a.supervisor:
         out += ["", "Supervisor events: " + ", ".join(_describe(e) for e in a.supervisor) + "."]
@@ -560,9 +392,6 @@ def markdown(a: Analysis, images: dict[str, str]) -> str:
     out += ["", *_time_section(a), "", *_restart_section(a), "", "## Plots", ""]
     out += [f"![{title}]({rel})\n" for title, rel in images.items()]
     return "\n".join(out) + "\n"
-
-
-PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s", "first_step_s")
 
 
 def _ledger_table(ledger: list[dict]) -> list[str]:

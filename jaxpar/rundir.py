@@ -33,7 +33,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-LOCK_FILE = "lock"
+from jaxpar import runlog
+
+LOCK_FILE = runlog.LOCK
 ENV_RUN_LOCK = "JAXPAR_RUN_LOCK"  # the token of the lock a supervisor holds for its workers
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, launch, rundir
+from jaxpar import __version__, compile_cache, launch, rundir, runlog
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import (
     Checkpointer,
@@ -44,6 +44,7 @@ from jaxpar.metrics import (
     write_json,
 )
 from jaxpar.rules import Preset, validate_rules
+from jaxpar.runlog import W
 from jaxpar.step import Program, build_program
 
 
@@ -63,9 +64,38 @@ class Session:
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
+    """The run's data source (`data.source`: a name, MODULE:CALLABLE, or an object)."""
     vocab = getattr(cfg.model, "vocab_size", 256)
     seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
-    return data_lib.make_source(cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed)
+    return data_lib.make_source(
+        cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed, path=cfg.data.path,
+        dtype=cfg.data.dtype,
+    )  # fmt: skip
+
+
+def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
+    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
+    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+        raise ValueError(
+            f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
+            f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
+            "unless model.vocab_size is set)"
+        )
+
+
+def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
+    """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
+
+    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    if not hasattr(cfg.model, "vocab_size"):
+        return cfg
+    source = make_source(cfg)
+    want = getattr(source, "vocab_size", None)
+    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+        check_vocab(cfg, source)
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))
 
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
@@ -91,6 +121,7 @@ def setup(
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
+    check_vocab(cfg, source)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
     run = RunDir(run_dir, jax.process_index(), incarnation, create=False)
@@ -110,7 +141,7 @@ def open_run_dir(s: Session) -> None:
         resolved = to_dict(s.cfg)
         resolved["mesh_resolved"] = str(MeshSpec(**dict(s.mesh.shape)))
         resolved["config_hash"] = config_hash(s.cfg)
-        write_json(s.run.file("config.json"), resolved)
+        write_json(s.run.file(runlog.CONFIG), resolved)
 
 
 def device_batch(s: Session, step: int, split: str = "train") -> dict:
@@ -173,7 +204,7 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
         "mesh": str(MeshSpec(**dict(s.mesh.shape))),
         "nproc": jax.process_count(),
         "jaxpar_version": __version__,
-        "data": {"source": cfg.data.source, "seed": cfg.data.seed},
+        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
     }
     ckpt = Checkpointer(
         s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
@@ -230,9 +261,9 @@ def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
             lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
             s.program.abstract_state["comm"],
         )
-        s.run.event("comm_state_reset", from_data=old_data, to_data=s.mesh.shape["data"])
+        s.run.event(W.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
     s.run.event(
-        "restore", step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
+        W.RESTORE, step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
         from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
         skipped_corrupt=meta.get("skipped", []),
     )  # fmt: skip
@@ -243,7 +274,7 @@ def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
 def check_replicas(s: Session, state: dict, when: str) -> None:
     bad = replica_mismatches(state, s.mesh)  # params and optimizer state
     if bad:
-        s.run.event("replica_mismatch", when=when, step=int(state["step"]), params=bad[:20])
+        s.run.event(W.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20])
         raise ReplicaMismatch(
             f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
             f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
@@ -283,7 +314,7 @@ def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
     if not os.environ.get(launch.ENV_SUPERVISED):  # a launched job may have shrunk since
         check_fault_processes([s for s in specs if s.text in faults], jax.process_count())
     rundir.check_path(run_dir)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
     meta = _config_meta(cfg)
     step = checkpoint_preflight(ckpt_dir, meta, which=cfg.ckpt.restore, force=cfg.ckpt.force)
     if step is not None and step >= cfg.train.steps and not os.environ.get(launch.ENV_SUPERVISED):
@@ -325,6 +356,7 @@ def run(
     NonFiniteLoss, ReplicaMismatch, NothingToDo, or ValueError for a refused run.
     """
     t_start = time.time()
+    cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
     specs = preflight(cfg, run_dir, list(faults))
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
@@ -339,7 +371,7 @@ def run(
 def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) -> dict:
     cfg = s.cfg
     open_run_dir(s)
-    compile_cache.configure(s.run.file("compiled") if cfg.run.compile_cache else None)
+    compile_cache.configure(s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None)
     if s.run.is_writer:
         for name, bad in s.run.unreadable_lines().items():
             say(f"{s.run.file(name)}: skipped {bad} unreadable line(s) (torn or not JSON)")
@@ -350,7 +382,7 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
     s.run.write_incarnation()
     mesh_text = str(MeshSpec(**dict(s.mesh.shape)))
     s.run.event(
-        "start", nproc=jax.process_count(), mesh=mesh_text,
+        W.START, nproc=jax.process_count(), mesh=mesh_text,
         warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
     )  # fmt: skip
     if s.run.is_writer:
@@ -367,23 +399,25 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
         step_program = pool.submit(compile_step, s)
         state = restore_or_init(s, ckpt)
         compiled, seconds = step_program.result()
-        s.run.event("compiled", seconds=seconds, **compile_cache.stats())
+        s.run.event(W.COMPILED, seconds=seconds, **compile_cache.stats())
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         try:
             last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
         except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
-            if inject.fired:  # the console line names an injected fault as such
-                e.args = (f"{e.args[0]} (injected fault {', '.join(inject.fired)})", *e.args[1:])
+            kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
+            own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
+            if own and not getattr(e, "interrupted", False):  # name an injected fault as such
+                e.args = (f"{e.args[0]} (injected fault {', '.join(own)})", *e.args[1:])
             raise
     finally:
         pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
         ckpt.close()
         if s.tb:
             s.tb.close()
-    s.run.event("done", step=last, complete=last == cfg.train.steps)
+    s.run.event(W.DONE, step=last, complete=last == cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
-        write_json(s.run.file("summary.json"), summary)
+        write_json(s.run.file(runlog.SUMMARY), summary)
     return summary
 
 
@@ -400,7 +434,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         if stop:
             _save(s, ckpt, state, step, force=True)
             ckpt.wait()
-            kind = "preempted" if stop == "preempted" else "wall_time_limit"
+            kind = W.PREEMPTED if stop == "preempted" else W.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 if ckpt.interrupted:
@@ -424,7 +458,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0)
         if not np.isfinite(line["loss"]):
-            s.run.event("nonfinite", step=step + 1, loss=line["loss"])
+            s.run.event(W.NONFINITE, step=step + 1, loss=line["loss"])
             raise NonFiniteLoss(step + 1, line["loss"])
         if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
             s.run.metrics(line)
@@ -437,6 +471,18 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
     return max(start, cfg.train.steps)
+
+
+def supervised_layout(cfg: TrainConfig, preset: Preset) -> tuple[TrainConfig, Preset]:
+    """The mesh and microbatches `jaxpar launch` chose after an elastic shrink
+    (JAXPAR_MESH, JAXPAR_MICROBATCHES), over the command line's; the rules tables stay."""
+    mesh, micro = os.environ.get(launch.ENV_MESH), os.environ.get(launch.ENV_MICROBATCHES)
+    if mesh:
+        preset = dataclasses.replace(preset, mesh=MeshSpec.parse(mesh))
+    if micro:
+        train = dataclasses.replace(cfg.train, microbatches=int(micro))
+        cfg = dataclasses.replace(cfg, train=train)
+    return cfg, preset
 
 
 def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:

@@ -3,9 +3,13 @@
     python -m train --recipe gpt_tiny --mesh dp2_tp4
     python -m train --recipe gpt_small --set model.remat=block --set precision.compute=bfloat16
 
-Legend: B batch, T seq, D embed, F mlp, N heads, H head_dim, V vocab, L layers.
+Legend: B batch, T seq, D embed, F mlp, N heads, H head_dim, V vocab, L layers,
+S cached positions (= seq_len).
 The L repeated blocks are one stacked module (parameters carry a leading `layers` dimension) so
 a pipeline can split them into stages; the forward pass walks them in order.
+
+Generation (`jaxpar sample`) uses the cached path: `init_cache` then `decode` on the prompt and on
+one new token at a time; each call computes only its new positions' keys and values.
 """
 
 from __future__ import annotations
@@ -115,9 +119,12 @@ class Block(nnx.Module):
         self.w_out = _param(rngs, _init.normal(out_std), (f, d), ("mlp", "embed"))
         self.b_out = _param(rngs, _init.zeros, (d,), ("embed",))
 
-    def attention(self, x_BTD, key):
+    def qkv(self, x_BTD):
         qkv = jnp.einsum("btd,dknh->kbtnh", x_BTD, self.w_qkv[...]) + self.b_qkv[...][:, None, None]
-        q_BTNH, k_BTNH, v_BTNH = (constrain(a, ("batch", "seq", "heads", "head_dim")) for a in qkv)
+        return tuple(constrain(a, ("batch", "seq", "heads", "head_dim")) for a in qkv)
+
+    def attention(self, x_BTD, key):
+        q_BTNH, k_BTNH, v_BTNH = self.qkv(x_BTD)
         h = q_BTNH.shape[-1]
         s_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BTNH) / jnp.sqrt(h).astype(x_BTD.dtype)
         t = x_BTD.shape[1]
@@ -128,6 +135,27 @@ class Block(nnx.Module):
         o_BTNH = jnp.einsum("bnts,bsnh->btnh", p_BNTS, v_BTNH)
         o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.w_o[...]) + self.b_o[...]
+
+    def attention_cached(self, x_BTD, k_BSNH, v_BSNH, pos):
+        """Attention of T new positions [pos, pos + T) to the cache's earlier positions and to
+        each other (causal); returns (out_BTD, cache with the new keys and values written)."""
+        q_BTNH, k_BTNH, v_BTNH = self.qkv(x_BTD)
+        k_BSNH = jax.lax.dynamic_update_slice(k_BSNH, k_BTNH.astype(k_BSNH.dtype), (0, pos, 0, 0))
+        v_BSNH = jax.lax.dynamic_update_slice(v_BSNH, v_BTNH.astype(v_BSNH.dtype), (0, pos, 0, 0))
+        h = q_BTNH.shape[-1]
+        s_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH) / jnp.sqrt(h).astype(x_BTD.dtype)
+        t, span = x_BTD.shape[1], k_BSNH.shape[1]
+        visible_TS = jnp.arange(span)[None, :] <= pos + jnp.arange(t)[:, None]
+        s_BNTS = jnp.where(visible_TS, s_BNTS, jnp.finfo(s_BNTS.dtype).min)
+        p_BNTS = jax.nn.softmax(s_BNTS.astype(jnp.float32), axis=-1).astype(x_BTD.dtype)
+        o_BTNH = jnp.einsum("bnts,bsnh->btnh", p_BNTS, v_BSNH)
+        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.w_o[...]) + self.b_o[...], k_BSNH, v_BSNH
+
+    def decode(self, x_BTD, k_BSNH, v_BSNH, pos):
+        """The block on T new positions with a key/value cache (no dropout)."""
+        a_BTD, k_BSNH, v_BSNH = self.attention_cached(self.ln1(x_BTD), k_BSNH, v_BSNH, pos)
+        x_BTD = x_BTD + a_BTD
+        return x_BTD + self.mlp(self.ln2(x_BTD)), k_BSNH, v_BSNH
 
     def mlp(self, x_BTD):
         h_BTF = jax.nn.gelu(x_BTD @ self.w_in[...] + self.b_in[...])
@@ -176,11 +204,15 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(d, rngs)
         self.head = _param(rngs, _init.normal(0.02), (d, v), ("embed", "vocab"))
 
-    def embed(self, tokens_BT, key=None):
+    def embed(self, tokens_BT, key=None, pos=0):
         t = tokens_BT.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.cfg.seq_len}")
-        x_BTD = jnp.take(self.tok_emb[...], tokens_BT, axis=0) + self.pos_emb[...][:t]
+        if isinstance(pos, int):
+            pos_TD = self.pos_emb[...][pos : pos + t]
+        else:  # a traced position (cached decoding)
+            pos_TD = jax.lax.dynamic_slice_in_dim(self.pos_emb[...], pos, t)
+        x_BTD = jnp.take(self.tok_emb[...], tokens_BT, axis=0) + pos_TD
         x_BTD = _dropout(x_BTD, self.cfg.dropout, key)
         return constrain(x_BTD, ("batch", "seq", "embed"))
 
@@ -203,3 +235,20 @@ class GPT(nnx.Module):
         for i in range(self.cfg.n_layers):
             x_BTD = block_at(self.blocks, i)(x_BTD, None if keys is None else keys[i])
         return self.unembed(x_BTD)
+
+    def init_cache(self, batch: int, dtype=jnp.float32) -> dict:
+        """An empty key/value cache for `decode`: {"k", "v"} of [L, B, S, N, H], S = seq_len."""
+        c = self.cfg
+        shape = (c.n_layers, batch, c.seq_len, c.n_heads, c.d_model // c.n_heads)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def decode(self, tokens_BT, cache: dict, pos):
+        """Logits of tokens_BT at positions [pos, pos + T) given the cache of positions < pos;
+        returns (logits_BTV, cache holding positions < pos + T). pos + T <= seq_len."""
+        x_BTD = self.embed(tokens_BT, pos=pos)
+        ks, vs = [], []
+        for i in range(self.cfg.n_layers):
+            x_BTD, k, v = block_at(self.blocks, i).decode(x_BTD, cache["k"][i], cache["v"][i], pos)
+            ks.append(k)
+            vs.append(v)
+        return self.unembed(x_BTD), {"k": jnp.stack(ks), "v": jnp.stack(vs)}

@@ -324,3 +324,11 @@ def ckpt_reference(tmp_path_factory):
     every = f"ckpt.every={CKPT_EVERY}"
     helpers.ok(helpers.run(helpers.train_cmd(run_dir, "--set", every, steps=CKPT_STEPS)))
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def tokens_corpus(tmp_path_factory) -> str:
+    """A folder prepared by `jaxpar data prepare` (tests/data/corpus.py), once per session."""
+    from tests.data.corpus import prepare_corpus
+
+    return prepare_corpus(tmp_path_factory.mktemp("tokens") / "corpus")

@@ -126,6 +126,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         cfg = resolve_recipe(args.recipe)
         cfg = validate(apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides))
+        keys = {o.partition("=")[0].strip() for o in args.overrides}
+        cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
         preset = meshes.resolve(args.mesh if args.mesh is not None else cfg.mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,13 +4,14 @@ with a kill and a restart rendered end to end, TensorBoard events included (slow
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import re
 import sys
 
 import pytest
 
-from jaxpar import report
+from jaxpar import report, runlog
 from jaxpar.metrics import append_line, last_per_step, read_jsonl, read_tensorboard
 from tests import helpers
 
@@ -38,7 +39,7 @@ def _launched_run(run):
     _ev(run, "launch", 95.0, 0, nproc=2)  # supervisor: spawn, imports, jax.distributed until 100
     _ev(run, "group_started", 95.5, 0, nproc=2)
     _ev(run, "start", 100.0, 0, nproc=2, mesh="data=8")
-    _ev(run, "compiled", 110.0, 0, seconds=8.0)  # start-up 100-102, compile 102-110
+    _ev(run, "compiled", 110.0, 0, seconds=8.0)  # compile 100-110 (mesh and init overlap it)
     _steps(run, 0, range(1, 6), t_first=111.0)  # steps 1..5 end at 111..115
     _ev(run, "save_end", 116.0, 0, step=4, blocking_s=0.5)
     _ev(run, "fault_injected", 116.0, 0, kind="hang", spec="hang@6:process=1", process=1, step=6)
@@ -49,7 +50,7 @@ def _launched_run(run):
     _ev(run, "group_started", 132.0, 1, nproc=1)
     _ev(run, "start", 134.0, 1, nproc=1, mesh="data=4")
     _ev(run, "restore", 137.0, 1, step=4, from_mesh="data=8", to_mesh="data=4")
-    _ev(run, "compiled", 146.0, 1, seconds=8.0)  # restore phase 134-138
+    _ev(run, "compiled", 146.0, 1, seconds=8.0)  # restore 134-137, compile 137-146
     _steps(run, 1, range(5, 9), t_first=148.0)  # steps 5..8 end at 148..151
     append_line(os.path.join(run, "metrics.jsonl"),
                 {"step": 8, "eval_loss": 4.4, "time": 151.5, "incarnation": 1})  # fmt: skip
@@ -62,8 +63,8 @@ def test_goodput_accounting_with_hang_shrink_and_restore(tmp_path):
     a = report.analyze(run)
     assert [i.index for i in a.incarnations] == [0, 1]
     t = a.totals
-    assert t["startup"] == pytest.approx(5.0 + 2.0) and t["restore"] == pytest.approx(4.0)
-    assert t["compile"] == pytest.approx(16.0)
+    assert t["startup"] == pytest.approx(5.0) and t["restore"] == pytest.approx(3.0)
+    assert t["compile"] == pytest.approx(10.0 + 9.0)
     assert t["productive"] == pytest.approx(8.0)  # steps 1..4 (inc 0) + 5..8 (inc 1)
     assert t["recomputed"] == pytest.approx(1.0)  # step 5 of incarnation 0
     assert t["checkpoint"] == pytest.approx(0.5)
@@ -76,10 +77,14 @@ def test_goodput_accounting_with_hang_shrink_and_restore(tmp_path):
     assert r.failed_at_step == 6 and r.resumed_from == 4 and r.restored
     assert r.shrink["to_nproc"] == 1
     assert r.recovery_s == pytest.approx(148.0 - 116.0)  # first new line - fault_injected
-    assert a.status == "finished"
-    (led,) = a.ledger  # jaxpar.goodput's phases of the same incident
-    assert (led["detect_s"], led["stop_s"], led["init_s"]) == (14.0, 1.0, 2.0)
+    assert a.status == "completed"
+    (led,) = a.ledger  # the supervisor's phases of the same incident
+    assert (led["detect_s"], led["stop_s"], led["restart_s"], led["init_s"]) == (14, 1, 1, 2)
+    assert (led["restore_s"], led["compile_s"], led["first_step_s"]) == (3.0, 9.0, 2.0)
     assert led["recovery_s"] == pytest.approx(r.recovery_s)
+    # the accounting splits the wall-clock at the same boundaries as the phases
+    assert t["restore"] == led["restore_s"] and t["detection"] == led["detect_s"]
+    assert t["restart"] == led["stop_s"] + led["restart_s"] + led["init_s"]
 
     md = open(report.write_report(run)).read()
     assert "shrink" in md and "2→1" in md and "hang@6:process=1" in md
@@ -101,7 +106,7 @@ def test_report_of_a_run_without_restarts(tmp_path):
     assert a.restarts == [] and a.totals["recomputed"] == 0.0
     assert a.totals["productive"] == pytest.approx(10.0) and a.wall_s == pytest.approx(16.0)
     md = open(report.write_report(run)).read()
-    assert "No restarts" in md and "| status | finished |" in md
+    assert "No restarts" in md and "| status | completed |" in md
 
 
 def test_report_of_a_run_in_progress(tmp_path):
@@ -112,7 +117,7 @@ def test_report_of_a_run_in_progress(tmp_path):
     _ev(run, "start", 20.0, 1, nproc=1, mesh="data=8")  # a rerun, still compiling
     a = report.analyze(run)
     assert "in progress" in a.status
-    assert a.restarts[0].recovery_s is None and a.restarts[0].cause.startswith("rerun")
+    assert a.restarts[0].recovery_s is None and a.restarts[0].description.startswith("rerun")
     md = open(report.write_report(run)).read()
     assert "in progress" in md
     assert os.path.getsize(os.path.join(run, "report", "goodput.png")) > 0
@@ -123,21 +128,27 @@ def test_report_rejects_a_directory_that_is_not_a_run(tmp_path):
         report.analyze(str(tmp_path))
 
 
-# ---- a real run with a kill and a restart (slow) ------------------------------------------------
+# ---- a real launched run with a kill and a restart (slow) ---------------------------------------
+
+
+def _printed(text: str, pattern: str) -> str:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in:\n{text[-3000:]}"
+    return m.group(1)
 
 
 @pytest.mark.slow
-def test_report_of_a_real_run_with_a_restart(tmp_path):
+def test_launch_summary_and_report_agree_on_a_real_run_with_a_restart(tmp_path):
+    """One supervised run killed at step 8: what `jaxpar launch` prints, summary.json and report.md
+    give the same status, goodput, wall-clock, recovery phases and MTTR (one timeline builder)."""
     run = str(tmp_path / "run")
-    # synchronous saves: step 5 is committed before the kill at step 8, so the rerun restores it
-    train = helpers.train_cmd(
-        run, "--recipe", "digits_mlp", "--set", "ckpt.every=5", "--set", "ckpt.use_async=false",
-        "--set", "train.eval_every=6", "--set", "log.tensorboard=true", steps=12, faults=["kill@8"],
-    )  # fmt: skip
-    first = helpers.run(train, merge=True)
-    assert first.returncode == -signal.SIGKILL, first.stdout[-4000:]
-    second = helpers.run(train, merge=True)
-    assert second.returncode == 0, second.stdout[-4000:]
+    # synchronous saves: step 5 is committed before the kill at step 8, so the restart restores it
+    train = [sys.executable, "-m", "train", "--recipe", "digits_mlp", "--steps", "12",
+             "--no-progress", "--set", "ckpt.every=5", "--set", "ckpt.use_async=false",
+             "--set", "train.eval_every=6", "--set", "log.tensorboard=true"]  # fmt: skip
+    launch = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", run, "--nproc", "1",
+              "--devices-per-proc", "2", "--fault", "kill@8", "--", *train]  # fmt: skip
+    out = helpers.ok(helpers.run(launch, env=helpers.cpu_env(devices=None), merge=True)).stdout
 
     rep = helpers.run([sys.executable, "-m", "jaxpar.cli", "report", run], timeout=300, merge=True)
     assert rep.returncode == 0, rep.stdout[-4000:]
@@ -145,9 +156,31 @@ def test_report_of_a_real_run_with_a_restart(tmp_path):
     assert rep.stdout.strip().endswith(md_path)
     md = open(md_path).read()
     assert "restart" in md and "injected kill@8" in md and "step 5 (incarnation 1)" in md
-    for name in ("loss.png", "step_time.png", "goodput.png"):
-        blob = open(os.path.join(run, "report", name), "rb").read()
-        assert blob[:8] == PNG and len(blob) > 10_000, name
+
+    with open(os.path.join(run, "summary.json")) as f:
+        s = json.load(f)
+    (inc,) = s["incidents"]
+    assert s["status"] == "completed" and s["restarts"] == 1 and inc["cause"] == "signal"
+    printed = f"{s['status']}: 12 steps"
+    assert printed in out and "| status | completed |" in md
+    goodput = f"{s['goodput']:.1%}"
+    assert _printed(out, r"goodput ([0-9.]+%)") == goodput
+    assert (
+        _printed(md, r"\| goodput \(productive step time ÷ wall-clock\) \| ([0-9.]+%) \|")
+        == goodput
+    )
+    wall = f"{s['wall_s']:.1f}"
+    assert _printed(out, r"wall ([0-9.]+)s") == wall
+    assert _printed(md, r"\| wall-clock [^|]* \| ([0-9.]+) s \|") == wall
+    mttr = f"{s['mttr_s']:.1f}"
+    assert s["mttr_s"] == inc["recovery_s"] > inc["restore_s"] > 0
+    assert _printed(out, r"mttr ([0-9.]+)s") == mttr
+    assert _printed(md, r"\| recovery time, mean \(MTTR\) \| ([0-9.]+) s over 1 \|") == mttr
+    phases = [f"{inc[p]:.1f}" for p in (*runlog.PHASES, "recovery_s")]
+    assert _printed(out, r"restore ([0-9.]+)s") == phases[4]
+    row = _printed(md, r"\n\| signal \| 0 \| ([^\n]*) \|\n")
+    assert row.split(" | ")[: len(phases)] == phases
+    assert _printed(md, r"\| restore \| ([0-9.]+) \|") == phases[4]  # time accounting
 
     lines = read_jsonl(os.path.join(run, "metrics.jsonl"))
     per_step = last_per_step(lines)

@@ -1,6 +1,6 @@
 """`python -m train` and `jaxpar inspect` as a user runs them: subprocesses on 8 CPU devices.
 
-Checks the run-directory contract of DESIGN.md (config.json, metrics.jsonl, events.jsonl,
+Checks the run-directory contract of docs/design.md (config.json, metrics.jsonl, events.jsonl,
 incarnation, summary.json) on a 12-step gpt_tiny run with evaluation every 6 steps.
 """
 

@@ -2,8 +2,7 @@
 case takes seconds: crash loop with backoff, a usage error is not retried, hang detection with
 stack dumps, SIGTERM to the supervisor passed on as a preemption notice.
 
-The fake worker follows the worker contract: heartbeats via jaxpar.launch, metrics and events
-through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its stack.
+The fake worker (launch_util.FAKE_WORKER) follows the worker contract.
 """
 
 from __future__ import annotations
@@ -16,55 +15,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
-from launch_util import Launch, clean_env  # noqa: E402
+from launch_util import Launch, clean_env, fake_cmd  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-FAKE = """
-import os, signal, sys, time
-from jaxpar import launch
-from jaxpar.metrics import RunDir
-
-mode, steps = sys.argv[1], int(sys.argv[2])
-run_dir = os.environ["JAXPAR_RUN_DIR"]
-p, inc = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_INCARNATION"])
-run = RunDir(run_dir, p, inc)
-launch.install_stack_dump()
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(launch.EXIT_PREEMPTED))
-if mode == "usage":
-    sys.exit(2)
-run.event("start", nproc=int(os.environ["JAXPAR_NUM_PROCESSES"]))
-
-def stuck_here():
-    while True:
-        time.sleep(3600)
-
-def collective(step):  # like an all-reduce: nobody passes step until everyone arrived there
-    n = int(os.environ["JAXPAR_NUM_PROCESSES"])
-    while True:
-        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in range(n)]
-        if all(h and h["incarnation"] == inc and h["step"] >= step for h in hbs):
-            return
-        time.sleep(0.01)
-
-for step in range(steps):
-    if mode == "crash" and p == 1 and step == 2:
-        sys.exit(3)
-    if mode == "hang" and p == 1 and step == 3 and inc == 0:
-        stuck_here()
-    launch.heartbeat(run_dir, step)
-    collective(step)
-    time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
-    run.metrics({"step": step + 1, "loss": 1.0 / (step + 1), "step_time_s": 0.05,
-                 "tokens_per_s": 100.0, "time": time.time()})
-run.event("done", step=steps)
-"""
-
 
 def _fake(tmp_path, mode: str, steps: int, *args: str, env=None) -> Launch:
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE)
-    cmd = [sys.executable, str(script), mode, str(steps)]
+    cmd = fake_cmd(tmp_path, mode, steps)
     return Launch(tmp_path / "run", ["--nproc", "2", "--backoff", "0.2", *args], cmd, env=env)
 
 

@@ -13,7 +13,8 @@ import pytest
 from hardening_util import call, snapshot
 
 from jaxpar import rundir
-from jaxpar.metrics import RunDir, append_line, read_jsonl, read_jsonl_counted, write_json
+from jaxpar.metrics import RunDir
+from jaxpar.runlog import append_line, read_jsonl, read_jsonl_counted, write_json
 from train import __main__ as train_main
 
 # ---- a refused run leaves the run directory byte-for-byte unchanged -----------------------------

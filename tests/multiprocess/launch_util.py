@@ -32,6 +32,57 @@ def train_cmd(steps: int, every: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+# A worker without jax that follows the worker contract: heartbeats via jaxpar.launch, metrics
+# and events through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its
+# stack. Argv: MODE STEPS; modes: train, crash (process 1 exits 3 at step 2), hang (process 1
+# stops at step 3 in incarnation 0), usage (exit 2).
+FAKE_WORKER = """
+import os, signal, sys, time
+from jaxpar import launch
+from jaxpar.metrics import RunDir
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+run_dir = os.environ["JAXPAR_RUN_DIR"]
+p, inc = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_INCARNATION"])
+run = RunDir(run_dir, p, inc)
+launch.install_stack_dump()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(launch.EXIT_PREEMPTED))
+if mode == "usage":
+    sys.exit(2)
+run.event("start", nproc=int(os.environ["JAXPAR_NUM_PROCESSES"]))
+
+def stuck_here():
+    while True:
+        time.sleep(3600)
+
+def collective(step):  # like an all-reduce: nobody passes step until everyone arrived there
+    n = int(os.environ["JAXPAR_NUM_PROCESSES"])
+    while True:
+        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in range(n)]
+        if all(h and h["incarnation"] == inc and h["step"] >= step for h in hbs):
+            return
+        time.sleep(0.01)
+
+for step in range(steps):
+    if mode == "crash" and p == 1 and step == 2:
+        sys.exit(3)
+    if mode == "hang" and p == 1 and step == 3 and inc == 0:
+        stuck_here()
+    launch.heartbeat(run_dir, step)
+    collective(step)
+    time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
+    run.metrics({"step": step + 1, "loss": 1.0 / (step + 1), "step_time_s": 0.05,
+                 "tokens_per_s": 100.0, "time": time.time()})
+run.event("done", step=steps)
+"""
+
+
+def fake_cmd(tmp_path: Path, mode: str, steps: int) -> list[str]:
+    script = Path(tmp_path) / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    return [sys.executable, str(script), mode, str(steps)]
+
+
 def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     env["XLA_FLAGS"] = THREADS

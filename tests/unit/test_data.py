@@ -14,7 +14,8 @@ SEQ_LEN = 16
 
 @pytest.fixture(scope="module", params=data.SOURCES)
 def source(request):
-    return data.make_source(request.param, seq_len=SEQ_LEN, seed=0)
+    path = request.getfixturevalue("tokens_corpus") if request.param == "tokens" else ""
+    return data.make_source(request.param, seq_len=SEQ_LEN, seed=0, path=path)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def batches_differ(a, b):
 def test_same_seed_and_step_give_identical_batch(source):
     first = batch(source, step=5, seed=3)
     # A restarted process builds a new source object and must get the same rows.
-    fresh = data.make_source(source.name, seq_len=SEQ_LEN, seed=0)
+    path = getattr(source, "path", "")
+    fresh = data.make_source(source.name, seq_len=SEQ_LEN, seed=0, path=path)
     assert_batches_equal(first, batch(fresh, step=5, seed=3))
 
 

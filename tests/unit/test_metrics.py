@@ -168,3 +168,33 @@ def test_read_tensorboard_rejects_corruption(tmp_path):
     open(path, "wb").write(bytes(blob))
     with pytest.raises(ValueError, match="corrupt"):
         read_tensorboard(run.file("tensorboard"))
+
+
+# ---- the run-log schema and the design doc --------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_event_names_are_unique_and_documented():
+    from jaxpar.runlog import SupervisorEvent, WorkerEvent
+
+    assert not WorkerEvent.ALL & SupervisorEvent.ALL  # one writer per event name
+    for cls in (WorkerEvent, SupervisorEvent):  # ALL holds every constant of the class
+        names = {v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str)}
+        assert names == cls.ALL
+    design = open(os.path.join(REPO, "docs", "design.md")).read()
+    missing = [e for e in WorkerEvent.ALL | SupervisorEvent.ALL if f"`{e}`" not in design]
+    assert not missing, f"docs/design.md does not describe {missing}"
+
+
+def test_design_doc_references_resolve():
+    """Every repository path docs/design.md names exists (no references outside the repo)."""
+    import glob
+    import re
+
+    design = open(os.path.join(REPO, "docs", "design.md")).read()
+    paths = set(re.findall(r"`((?:jaxpar|tests|docs|train|models|meshes|deploy)/[^`\s]*)`", design))
+    assert len(paths) > 10
+    missing = [p for p in sorted(paths) if not glob.glob(os.path.join(REPO, p.rstrip("/")))]
+    assert not missing, f"docs/design.md names paths that do not exist: {missing}"
+    assert "DESIGN.md" not in design

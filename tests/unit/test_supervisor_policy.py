@@ -68,23 +68,37 @@ def test_shrink_respects_min_nproc_and_other_axes():
     assert plan["mesh"]["data"] * plan["mesh"]["fsdp"] == 4
 
 
-def test_rewrite_command_replaces_mesh_and_microbatches():
-    cmd = [
-        "python",
-        "-m",
-        "train",
-        "--mesh",
-        "dp8",
-        "--set",
-        "train.microbatches=1",
-        "--steps",
-        "9",
-    ]
-    out = sv.rewrite_command(cmd, "data=4", 2)
-    assert out == ["python", "-m", "train", "--steps", "9", "--mesh", "data=4",
-                   "--set", "train.microbatches=2"]  # fmt: skip
-    out = sv.rewrite_command(["python", "-m", "train", "--mesh=data=8"], "data=4", 2)
-    assert out == ["python", "-m", "train", "--mesh", "data=4", "--set", "train.microbatches=2"]
+def test_shrunk_layout_reaches_workers_through_the_environment():
+    env = sv.worker_env(
+        {launch.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
+        process_id=0, local_rank=0, devices_per_proc=2, run_dir="/r", incarnation=2, faults=[],
+        heartbeat_timeout=9, collective_timeout=9,
+        layout={"mesh": "data=4,fsdp=1,tensor=1,pipeline=1", "microbatches": 2},
+    )  # fmt: skip
+    assert env[launch.ENV_MESH] == "data=4,fsdp=1,tensor=1,pipeline=1"
+    assert env[launch.ENV_MICROBATCHES] == "2"
+    plain = sv.worker_env(
+        {launch.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
+        process_id=0, local_rank=0, devices_per_proc=2, run_dir="/r", incarnation=0, faults=[],
+        heartbeat_timeout=9, collective_timeout=9,
+    )  # fmt: skip
+    assert launch.ENV_MESH not in plain  # an inherited layout is never passed on
+
+
+def test_training_loop_applies_the_supervised_layout(monkeypatch):
+    from jaxpar.config import resolve_recipe
+    from jaxpar.mesh import MeshSpec
+    from jaxpar.rules import Preset
+    from jaxpar.trainer import supervised_layout
+
+    cfg = resolve_recipe("gpt_tiny")
+    preset = Preset(MeshSpec.parse("data=8"), description="dp8")
+    assert supervised_layout(cfg, preset) == (cfg, preset)
+    monkeypatch.setenv(launch.ENV_MESH, "data=2,fsdp=2")
+    monkeypatch.setenv(launch.ENV_MICROBATCHES, "3")
+    cfg2, preset2 = supervised_layout(cfg, preset)
+    assert preset2.mesh == MeshSpec(data=2, fsdp=2) and preset2.params == preset.params
+    assert cfg2.train.microbatches == 3 and cfg2.model == cfg.model
 
 
 def _recent(start_t, period, lag, n=8, first=1):
@@ -114,20 +128,49 @@ def test_heartbeat_file_and_stalest(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "heartbeats") == ["proc1.json"]
 
     hb = sv.Heartbeats(str(tmp_path), 2, 3)
-    hb.update(now=10.0)
-    assert hb.stepping_since is None  # first sighting only: no step completed yet
     monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
     launch._state["hb_dir"] = None
     launch.heartbeat(str(tmp_path), 6)
-    hb.update(now=11.0)
+    hb.update(now=10.0)
+    # process 1 arrived at step 5 after step 4 (two arrivals in its own history): it has
+    # completed a step, although the supervisor saw none advance
+    assert hb.stepping_since == 10.0
     launch.heartbeat(str(tmp_path), 7)
     hb.update(now=12.0)
-    assert hb.stepping_since == 12.0
-    assert hb.stalest(now=20.0) == (1, 8.0)  # process 1 stuck at 5, clock from stepping
+    assert hb.stalest(now=20.0) == (1, 10.0)  # process 1 stuck at 5 since it was first seen
     assert hb.max_step() == 7
     stale = sv.Heartbeats(str(tmp_path), 2, incarnation=4)
     stale.update(now=1.0)
     assert stale.last == {}  # another incarnation's heartbeats are ignored
+
+
+def test_hang_in_the_first_steps_is_detected(tmp_path, monkeypatch):
+    """Workers several steps ahead of the supervisor's first read, then stuck: a hang once the
+    hang timeout passes, blaming the process at the lowest step."""
+    monkeypatch.setenv(launch.ENV_INCARNATION, "0")
+    for p, last in ((0, 3), (1, 2)):
+        monkeypatch.setenv(launch.ENV_PROCESS_ID, str(p))
+        launch._state["hb_dir"] = None
+        for step in range(last + 1):
+            launch.heartbeat(str(tmp_path), step)
+    mon = sv.Monitor(str(tmp_path), 2, 0, [])
+    assert os.listdir(tmp_path / "heartbeats") == []  # the monitor clears old heartbeats
+    for p, last in ((0, 3), (1, 2)):
+        monkeypatch.setenv(launch.ENV_PROCESS_ID, str(p))
+        launch._state["hb_dir"] = None
+        for step in range(last + 1):
+            launch.heartbeat(str(tmp_path), step)
+    mon.hb.update(now=100.0)
+    assert mon.hang(101.0, 99.0, 1.5, 600.0, auto=False, stopped=[]) is None
+    out = mon.hang(102.0, 99.0, 1.5, 600.0, auto=False, stopped=[])
+    assert (out.cause, out.process, out.step) == ("hang", 1, 4)
+    # a process seen stopped (SIGSTOP) is the one blamed, wherever the heartbeats point
+    assert mon.hang(102.0, 99.0, 1.5, 600.0, auto=False, stopped=[0]).process == 0
+    # nobody ever completes a step: only the start-up timeout applies
+    cold = sv.Monitor(str(tmp_path), 2, 5, [])
+    assert cold.hang(650.0, 99.0, 1.5, 600.0, auto=False, stopped=[]) is None
+    late = cold.hang(700.0, 99.0, 1.5, 600.0, auto=False, stopped=[])
+    assert late.cause == "hang" and "start-up timeout" in late.detail
 
 
 def test_worker_env():

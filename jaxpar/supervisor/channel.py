@@ -1,0 +1,171 @@
+"""The agents' control channel: newline-delimited JSON over TCP between agents that share a
+secret, with bounded messages (framing, the token, the authenticated connection)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+
+from jaxpar.supervisor.group import Wakeup
+from jaxpar.supervisor.options import TOKEN_ENV, TOKEN_FILE, Options
+
+MAX_LINE = 1 << 20  # bytes per message: a spec is a few hundred
+HANDSHAKE_S = 10.0
+
+
+class ChannelError(Exception):
+    """A peer broke the protocol (too long, not JSON, wrong proof): the connection is dropped."""
+
+
+# ---- the shared secret --------------------------------------------------------------------------
+
+
+def token(opts: Options) -> bytes:
+    """The agents' shared secret: --token-file, else $JAXPAR_LAUNCH_TOKEN, else RUN_DIR/launch-token,
+    created (0600) by the first agent to get there. ValueError names the fix."""
+    if opts.token_file:
+        return _read_token(opts.token_file)
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].encode()
+    path = os.path.join(opts.run_dir, TOKEN_FILE)
+    if not os.path.exists(path):
+        os.makedirs(opts.run_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(tmp, path)  # atomic, and fails if another agent was first
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
+    return _read_token(path)
+
+
+def _read_token(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            text = f.read(4096).strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the launch token {path}: {e.strerror}") from None
+    if st.st_mode & 0o077 or st.st_uid != os.getuid():
+        raise ValueError(
+            f"launch token {path} must belong to you and be readable only by you: chmod 600 {path}"
+        )
+    if len(text) < 16:
+        raise ValueError(f"launch token {path} is shorter than 16 characters; write a longer one")
+    return text
+
+
+def mac(key: bytes, *parts: object) -> str:
+    msg = "|".join(str(p) for p in parts).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+# ---- framing ------------------------------------------------------------------------------------
+
+
+class Lines:
+    """Reads bounded JSON lines from a socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+
+    def next(self) -> dict | None:
+        """The next message (a JSON object); None at end of stream. ChannelError if a line is too
+        long; a line that is not a JSON object is skipped."""
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(msg, dict):
+                    return msg
+            if len(self.buf) > MAX_LINE:
+                raise ChannelError(f"message longer than {MAX_LINE} bytes")
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.buf += data
+
+
+def send_line(sock: socket.socket, msg: dict) -> None:
+    sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+class Channel:
+    """An authenticated connection; a reader thread queues incoming messages (None: closed)."""
+
+    def __init__(self, sock: socket.socket, lines: Lines, waker: Wakeup | None = None):
+        self.sock, self.lines, self.waker = sock, lines, waker
+        self.inbox: queue.Queue = queue.Queue()
+        self.closed = False
+        self._lock = threading.Lock()
+        sock.settimeout(None)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while (msg := self.lines.next()) is not None:
+                self.inbox.put(msg)
+                if self.waker:
+                    self.waker.poke()
+        except (OSError, ChannelError):
+            pass
+        self.closed = True
+        self.inbox.put(None)
+        if self.waker:
+            self.waker.poke()
+
+    def send(self, msg: dict) -> None:
+        with self._lock:
+            try:
+                self.sock.sendall((json.dumps(msg) + "\n").encode())
+            except OSError:
+                self.closed = True
+
+    def messages(self, timeout: float = 0.0) -> list[dict | None]:
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def wait_for(self, key: str, timeout: float) -> dict | None:
+        """The next message carrying `key` (others are put back afterwards)."""
+        deadline, held = time.time() + timeout, []
+        try:
+            while time.time() < deadline:
+                try:
+                    msg = self.inbox.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if msg is None:
+                    self.inbox.put(None)
+                    return None
+                if key in msg:
+                    return msg
+                held.append(msg)
+            return None
+        finally:
+            for m in held:
+                self.inbox.put(m)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()

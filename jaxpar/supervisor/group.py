@@ -1,0 +1,265 @@
+"""This host's workers: spawn a group, reap exits the moment they happen, signal, stop, and keep
+hot spares (jaxpar/spare.py) for the next group."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+from jaxpar import spare as spare_lib
+from jaxpar.supervisor.monitor import EventTail
+from jaxpar.supervisor.options import Options, say
+from jaxpar.supervisor.policy import worker_env
+
+
+class Wakeup:
+    """Wait until something happens: a watched child exits (a pidfd becomes readable), or
+    another thread calls `poke()` (a control-channel message). A timeout bounds the wait."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self.sel.register(self._r, selectors.EVENT_READ)
+
+    def poke(self) -> None:
+        with contextlib.suppress(OSError):  # a full pipe wakes the waiter all the same
+            os.write(self._w, b"!")
+
+    def watch(self, pid: int) -> int | None:
+        """A pidfd for `pid` registered for wake-ups (None where the kernel has none)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None
+        self.sel.register(fd, selectors.EVENT_READ)
+        return fd
+
+    def unwatch(self, fd: int | None) -> None:
+        if fd is None:
+            return
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.sel.unregister(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def wait(self, timeout: float) -> None:
+        self.sel.select(max(0.0, timeout))
+        with contextlib.suppress(OSError):
+            while os.read(self._r, 4096):
+                pass
+
+
+def stopped_pids(pids: dict[int, int]) -> list[int]:
+    """The keys of `pids` ({process id: os pid}) whose process is stopped (SIGSTOP: state T)."""
+    out = []
+    for key, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            out.append(key)
+    return out
+
+
+class LocalGroup:
+    """This host's workers of one incarnation: spawn, reap, signal, stop."""
+
+    def __init__(self, opts: Options, waker: Wakeup | None = None):
+        self.opts = opts
+        self.waker = waker or Wakeup()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.pidfds: dict[int, int | None] = {}
+        self.logs: dict[int, str] = {}
+        self.reported: set[int] = set()
+        self.attempt = -1  # which group these workers are (exits are tagged with it)
+        self.spec: dict | None = None
+        self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
+        self.spares_due = False  # start spares once this group has started
+        self.events: EventTail | None = None
+        self.log_dir = os.path.join(self.opts.run_dir, "logs")
+
+    def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
+        return worker_env(
+            dict(os.environ), coordinator=spec["coordinator"], bind=spec["bind"],
+            nproc=spec["nproc"], process_id=pid, local_rank=local_rank,
+            devices_per_proc=self.opts.devices_per_proc, run_dir=self.opts.run_dir,
+            incarnation=spec["incarnation"], faults=spec.get("faults", self.opts.faults),
+            heartbeat_timeout=spec["collective_timeout"],
+            collective_timeout=spec["collective_timeout"], layout=spec.get("layout"),
+        )  # fmt: skip
+
+    def start(self, spec: dict) -> None:
+        """Start this host's workers of `spec` (the leader's plan), running this agent's own
+        command line: a spec says where and as whom to run, never what."""
+        self._unwatch_all()
+        self.procs, self.logs, self.reported = {}, {}, set()
+        self.attempt = int(spec["attempt"])
+        self.spec = spec
+        os.makedirs(self.log_dir, exist_ok=True)
+        for local_rank, pid in enumerate(spec["process_ids"]):
+            env = self._env(spec, pid, local_rank)
+            name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
+            path = os.path.join(self.log_dir, name)
+            self.logs[pid] = path
+            spare = self.spares.pop(local_rank, None)
+            if spare is not None and self._hand_over(spare, env, self.opts.command, path):
+                self.procs[pid] = spare
+            else:
+                with open(path, "ab") as log:
+                    self.procs[pid] = subprocess.Popen(
+                        self.opts.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )  # fmt: skip
+            self.pidfds[pid] = self.waker.watch(self.procs[pid].pid)
+        self.release_spares()  # ranks this group does not use (after a shrink)
+        self.spares_due = self.opts.spares
+        self.events = EventTail(os.path.join(self.opts.run_dir, "events.jsonl"))  # from now
+
+    def _unwatch_all(self) -> None:
+        for fd in self.pidfds.values():
+            self.waker.unwatch(fd)
+        self.pidfds = {}
+
+    # -- hot spares: the next group's workers, started while this one trains -----------------
+
+    def _hand_over(self, spare: subprocess.Popen, env: dict, command: list[str], log: str) -> bool:
+        """Give `spare` this worker's place (a spare still importing is ahead of a cold start
+        all the same); False if it is gone."""
+        if spare.poll() is not None or spare.stdin is None:
+            self._stop_spare(spare)
+            return False
+        try:
+            spare.stdin.write(
+                (json.dumps({"env": env, "argv": command, "log": log}) + "\n").encode()
+            )
+            spare.stdin.close()
+        except OSError:
+            return False
+        return True
+
+    def _maybe_start_spares(self) -> None:
+        """Once this group has started (its `start` event: every worker has imported, joined
+        jax.distributed and built its program), start one spare per local rank for the next
+        group — so spares do not compete with the group's own start-up, yet are ready early."""
+        if not self.spares_due or self.spec is None or self.events is None:
+            return
+        inc = self.spec["incarnation"]
+        if not any(e.get("event") == "start" and e.get("incarnation") == inc
+                   for e in self.events.read()):  # fmt: skip
+            return
+        self.spares_due = False
+        module = spare_lib.module_of(self.opts.command)
+        if module is None:  # a spare can only run `python -m MOD` of this interpreter
+            return
+        for local_rank, pid in enumerate(self.spec["process_ids"]):
+            env = self._env(self.spec, pid, local_rank)
+            env["JAXPAR_SPARE_MODULE"] = module
+            path = os.path.join(self.log_dir, f"spare{local_rank}.log")
+            with open(path, "ab") as log:
+                self.spares[local_rank] = subprocess.Popen(
+                    [sys.executable, "-m", "jaxpar.spare"], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
+                )  # fmt: skip
+
+    def _stop_spare(self, spare: subprocess.Popen) -> None:
+        with contextlib.suppress(OSError):
+            spare.kill()
+        spare.wait(timeout=30)
+
+    def release_spares(self) -> None:
+        for spare in self.spares.values():
+            self._stop_spare(spare)  # nothing to save in a spare: no jax state yet
+        self.spares = {}
+
+    # -- the workers ---------------------------------------------------------------------------
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Exits not reported before: [(process id, return code)]."""
+        out = []
+        for pid, p in self.procs.items():
+            if pid not in self.reported and p.poll() is not None:
+                self.reported.add(pid)
+                self.waker.unwatch(self.pidfds.pop(pid, None))
+                out.append((pid, p.returncode))
+        self._maybe_start_spares()
+        return out
+
+    def alive(self) -> list[int]:
+        return [pid for pid, p in self.procs.items() if p.poll() is None]
+
+    def stopped(self) -> list[int]:
+        """Process ids of live workers that are stopped (SIGSTOP), in order."""
+        return stopped_pids({pid: self.procs[pid].pid for pid in self.alive()})
+
+    def send(self, sig: int) -> None:
+        for pid in self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[pid].pid, sig)
+
+    def stop(self, grace_s: float) -> dict:
+        """SIGTERM the live workers, SIGKILL (their whole process group) after `grace_s`."""
+        terminated = self.alive() if grace_s > 0 else []
+        if terminated:
+            self.send(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while self.alive() and time.time() < deadline:
+            time.sleep(0.05)
+        killed = self.alive()
+        self.kill_all()
+        self.reported |= set(self.procs)  # stopped on purpose: not exits to report
+        self._unwatch_all()
+        return {"terminated": len(terminated), "killed": len(killed)}
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # the worker and anything it started
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                say(f"worker pid {p.pid} did not die after SIGKILL")
+
+
+class LocalNode:
+    """The leader's own workers, behind the same interface as a remote agent."""
+
+    def __init__(self, opts: Options, waker: Wakeup):
+        self.group = LocalGroup(opts, waker)
+        self.lost = False
+        self._result: dict = {}
+
+    def start(self, spec: dict) -> None:
+        self.group.start(spec)
+
+    def poll(self) -> list[tuple[int, int]]:
+        return self.group.poll()
+
+    def stopped(self) -> list[int]:
+        return self.group.stopped()
+
+    def signal(self, sig: int) -> None:
+        self.group.send(sig)
+
+    def request_stop(self, grace_s: float) -> None:
+        self._result = self.group.stop(grace_s)
+
+    def wait_stopped(self) -> dict:
+        return self._result
+
+    def log_of(self, pid: int) -> str | None:
+        return self.group.logs.get(pid)
+
+    def close(self, code: int) -> None:
+        self.group.kill_all()
+        self.group.release_spares()

@@ -1,0 +1,188 @@
+"""The supervisor's pure decisions: what an exit means, which one was the root cause, how long to
+back off, when failures are a crash loop, how to shrink the job, who straggles, what a worker's
+environment is. No processes, sockets or files here."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+from dataclasses import dataclass, field
+
+from jaxpar import launch as L
+
+THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+@dataclass
+class Outcome:
+    """How one incarnation ended."""
+
+    kind: str  # done | failure | preempted | stopped
+    cause: str = ""
+    process: int | None = None
+    code: int | None = None
+    step: int | None = None
+    lost: list[int] = field(default_factory=list)  # process ids gone for good
+    detail: str = ""
+    max_step: int | None = None
+    exits: list[tuple[int, int]] = field(default_factory=list)  # all seen, in order
+    stale_s: float | None = None  # hangs: how long without progress when detected
+
+
+def classify_exit(code: int) -> str:
+    """The `failure` cause of a worker's return code (negative: killed by that signal)."""
+    if code < 0:
+        return "signal"
+    if code == L.EXIT_COLLECTIVE:
+        return "collective"
+    if code == L.EXIT_NAN:
+        return "nan"
+    return "exit"
+
+
+def secondary(code: int) -> int:
+    """0 for a likely root cause; higher for the consequences of a peer's failure."""
+    if code in (L.EXIT_COLLECTIVE, -signal.SIGABRT):
+        return 2
+    if code == L.EXIT_PREEMPTED:
+        return 1
+    return 0
+
+
+def root_exit(exits: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (process, code) that most likely started it, from exits in observed order."""
+    failed = [(p, c) for p, c in exits if c != 0] or exits
+    return min(failed, key=lambda pc: secondary(pc[1]))
+
+
+def backoff_s(streak: int, base: float, cap: float) -> float:
+    """Delay before a restart: none the first time, then base, 2 base, 4 base ... up to cap."""
+    return 0.0 if streak <= 1 else min(cap, base * 2 ** (streak - 2))
+
+
+class CrashLoop:
+    """The same (cause, step) failure again and again; a NaN at the same step twice suffices."""
+
+    def __init__(self, limit: int):
+        self.limit, self.last, self.count = limit, None, 0
+
+    def record(self, cause: str, step: int | None) -> bool:
+        sig = (cause, step)
+        self.count = self.count + 1 if sig == self.last else 1
+        self.last = sig
+        return self.count >= (min(2, self.limit) if cause == "nan" else self.limit)
+
+
+def shrink_plan(
+    available: int, devices_per_proc: int, global_batch: int, mesh: dict[str, int],
+    microbatches: int, min_nproc: int,
+) -> dict | None:  # fmt: skip
+    """The largest process count <= available and >= min_nproc whose devices divide the global
+    batch (per process and per data-parallel way), with the mesh's batch axes (data, fsdp)
+    shrunk and more gradient-accumulation microbatches so that each device still holds the same
+    rows per microbatch. The global batch is kept. None if there is no such count."""
+    from jaxpar.mesh import AXES, BATCH_AXES
+
+    outer, inner = BATCH_AXES  # processes split the outer batch axis first (jaxpar.mesh)
+    fixed = math.prod(mesh.get(a, 1) for a in AXES if a not in BATCH_AXES)
+    old_ways = math.prod(mesh.get(a, 1) for a in BATCH_AXES)
+    for n in range(available, min_nproc - 1, -1):
+        devices = n * devices_per_proc
+        if devices % fixed or global_batch % n:
+            continue
+        ways = devices // fixed  # the batch is split this many ways (outer x inner)
+        if global_batch % ways:
+            continue
+        # The inner axis must absorb the processes the outer one cannot take.
+        for k in (math.gcd(mesh.get(inner, 1), ways), 1):
+            if k % (n // math.gcd(ways // k, n)) == 0:
+                break
+        else:
+            continue
+        m = max(microbatches, math.ceil(microbatches * old_ways / ways))
+        while global_batch % (ways * m):
+            m += 1
+        return {"nproc": n, "mesh": dict(mesh, **{outer: ways // k, inner: k}), "microbatches": m}
+    return None
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    from jaxpar.mesh import AXES
+
+    return ",".join(f"{a}={mesh[a]}" for a in AXES if a in mesh)
+
+
+def find_stragglers(
+    recent: dict[int, list[list[float]]], factor: float, min_lag_s: float = 0.05
+) -> list[dict]:
+    """Processes that reach the same steps later than the others.
+
+    `recent[p]` is [[step, time], ...] from process p's heartbeats (time of arrival at the next
+    step). Over the last common steps, a process's lag is its arrival minus the earliest; with
+    period T, its own work per step is about T and the others' T - lag, so its slowdown factor
+    is T / (T - lag).
+    """
+    if len(recent) < 2:
+        return []
+    by_p = {p: {int(s): t for s, t in r} for p, r in recent.items()}
+    common = sorted(set.intersection(*(set(d) for d in by_p.values())))[-6:]
+    if len(common) < 3:
+        return []
+    first = [min(d[s] for d in by_p.values()) for s in common]
+    pairs = zip(first[:-1], first[1:], common[:-1], common[1:], strict=True)
+    periods = [b - a for a, b, s0, s1 in pairs if s1 == s0 + 1]
+    if not periods:
+        return []
+    period = statistics.median(periods)
+    out = []
+    for p, d in by_p.items():
+        lag = statistics.median(d[s] - f for s, f in zip(common, first, strict=True))
+        f = period / max(period - lag, 1e-6) if lag < period else math.inf
+        if lag >= min_lag_s and f >= factor:
+            out.append({"process": p, "step": common[-1], "lag_s": lag,
+                        "factor": f if math.isfinite(f) else None,
+                        "step_time_s": period})  # fmt: skip
+    return out
+
+
+def worker_env(
+    base: dict[str, str], *, coordinator: str, bind: str, nproc: int, process_id: int,
+    local_rank: int, devices_per_proc: int, run_dir: str, incarnation: int, faults: list[str],
+    heartbeat_timeout: float, collective_timeout: float, layout: dict | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """The environment of one worker (the contract is in jaxpar/launch.py). `layout` is a
+    shrunk job's {"mesh": "data=4,...", "microbatches": M}; the training loop applies it."""
+    env = dict(base)
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:
+        flags = f"{flags} {THREAD_FLAGS}".strip()
+    env.update(
+        {
+            L.ENV_COORDINATOR: coordinator,
+            L.ENV_COORDINATOR_BIND: bind,
+            L.ENV_NUM_PROCESSES: str(nproc),
+            L.ENV_PROCESS_ID: str(process_id),
+            L.ENV_DEVICES_PER_PROC: str(devices_per_proc),
+            L.ENV_RUN_DIR: run_dir,
+            L.ENV_INCARNATION: str(incarnation),
+            L.ENV_SUPERVISED: "1",
+            L.ENV_SUPERVISOR_PID: str(os.getpid()),
+            L.ENV_HEARTBEAT_TIMEOUT: str(int(heartbeat_timeout)),
+            L.ENV_COLLECTIVE_TIMEOUT: str(int(collective_timeout)),
+            "XLA_FLAGS": flags,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    for key in (L.ENV_MESH, L.ENV_MICROBATCHES):
+        env.pop(key, None)  # only the supervisor's own layout, never one inherited
+    if layout:
+        env[L.ENV_MESH] = str(layout["mesh"])
+        env[L.ENV_MICROBATCHES] = str(int(layout["microbatches"]))
+    faults = [f for f in (env.get(L.ENV_FAULTS, "").split(";") + faults) if f.strip()]
+    if faults:
+        env[L.ENV_FAULTS] = ";".join(dict.fromkeys(faults))
+    ids = range(local_rank * devices_per_proc, (local_rank + 1) * devices_per_proc)
+    env.setdefault("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, ids)))  # accelerators only
+    return env

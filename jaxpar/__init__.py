@@ -8,6 +8,10 @@ and can set XLA flags before jax's first use.
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from jaxpar import _layout
+
+_layout.install(__path__[0])  # a source checkout: serve models/, meshes/, train/ as jaxpar.*
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -36,6 +40,24 @@ _EXPORTS: dict[str, str] = {
     "Preset": "jaxpar.rules",
     "constrain": "jaxpar.rules",
     "logical_to_spec": "jaxpar.rules",
+    # the library API for a user's own entrypoint (docs/api.md)
+    "build": "jaxpar.api",
+    "build_mesh": "jaxpar.api",
+    "preset": "jaxpar.api",
+    "Job": "jaxpar.api",
+    "CheckpointManager": "jaxpar.api",
+    "fit": "jaxpar.api",
+    "entrypoint": "jaxpar.api",
+    "run_worker": "jaxpar.api",
+    "resolve_run_dir": "jaxpar.api",
+    "RunDir": "jaxpar.metrics",
+    "TensorBoardWriter": "jaxpar.metrics",
+    "Progress": "jaxpar.metrics",
+    "Preempted": "jaxpar.checkpoint",
+    "CheckpointMismatch": "jaxpar.checkpoint",
+    "NonFiniteLoss": "jaxpar.faults",
+    "heartbeat": "jaxpar.launch",
+    "EXIT_PREEMPTED": "jaxpar.launch",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
@@ -55,6 +77,18 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
+    from jaxpar.api import (  # noqa: F401
+        CheckpointManager,
+        Job,
+        build,
+        build_mesh,
+        entrypoint,
+        fit,
+        preset,
+        resolve_run_dir,
+        run_worker,
+    )
+    from jaxpar.checkpoint import CheckpointMismatch, Preempted  # noqa: F401
     from jaxpar.config import (  # noqa: F401
         CkptConfig,
         CommConfig,
@@ -70,7 +104,10 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         apply_overrides,
         resolve_recipe,
     )
+    from jaxpar.faults import NonFiniteLoss  # noqa: F401
+    from jaxpar.launch import EXIT_PREEMPTED, heartbeat  # noqa: F401
     from jaxpar.mesh import AXES, MeshSpec, make_mesh  # noqa: F401
+    from jaxpar.metrics import Progress, RunDir, TensorBoardWriter  # noqa: F401
     from jaxpar.rules import (  # noqa: F401
         ACT_RULES,
         PARAM_RULES,

@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpar import contract
 from jaxpar import data as data_lib
 from jaxpar.config import PrecisionConfig, TrainConfig, resolve_recipe
 from jaxpar.mesh import MeshSpec
@@ -114,7 +115,7 @@ def run(quick: bool = False, out_dir: str = "bench-results", cfg: TrainConfig | 
     device = jax.devices()[0].device_kind
     result = {
         "suite": "precision", "recipe": cfg.name, "device": device, "devices": 1, "reps": reps,
-        "params": cfg.model.num_params() if hasattr(cfg.model, "num_params") else None,
+        "params": contract.num_params(cfg.model),
         "global_batch": cfg.data.global_batch, "rows": rows,
     }  # fmt: skip
     lines = [

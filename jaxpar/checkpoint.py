@@ -53,9 +53,11 @@ class Preempted(Exception):
     """Raised by the loop after a coordinated preemption save; the entrypoint exits 42 (130
     after Ctrl-C, `interrupted`)."""
 
-    def __init__(self, message: str, step: int = 0, interrupted: bool = False):
+    def __init__(
+        self, message: str, step: int = 0, interrupted: bool = False, run_dir: str | None = None
+    ):
         super().__init__(message)
-        self.step, self.interrupted = step, interrupted
+        self.step, self.interrupted, self.run_dir = step, interrupted, run_dir
 
 
 class CheckpointMismatch(ValueError):

@@ -1,7 +1,8 @@
-"""The `jaxpar` console script: launch (supervised workers), inspect, bench, report.
+"""The `jaxpar` console script: train, launch (supervised workers), inspect, bench, report.
 
-Recipes resolve as in `python -m train`: a name in `train.recipes` or `module:function`, with the
-current directory on sys.path (run from the checkout).
+Recipes resolve the same way everywhere: a name in `jaxpar.train.recipes` (the checkout's
+`train/recipes.py`), or `module:function` for a user's own, importable from the installed
+packages or, after them, the current directory.
 """
 
 from __future__ import annotations
@@ -13,17 +14,118 @@ import tempfile
 
 
 def _layout(name: str | None, default: str):
-    import importlib
+    from jaxpar.api import preset
 
-    from jaxpar.mesh import MeshSpec
-    from jaxpar.rules import Preset
+    return preset(name if name is not None else default)
 
-    text = name if name is not None else default
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), not usage text plus an error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _help_asked(argv: list[str] | None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def _names() -> str:
+    """Recipe and mesh preset names for --help (imports them: only when help is asked for)."""
     try:
-        meshes = importlib.import_module("meshes")
-    except ModuleNotFoundError:
-        return Preset(MeshSpec.parse(text))
-    return meshes.resolve(text)
+        from jaxpar import meshes
+        from jaxpar.train.recipes import RECIPES
+    except ImportError as e:
+        return f"recipes and mesh presets: unavailable ({e})"
+    return f"recipes: {', '.join(RECIPES)}\nmesh presets: {', '.join(meshes.PRESETS)}"
+
+
+def _train_epilog() -> str:
+    from jaxpar.faults import KINDS
+
+    return (
+        f"{_names()}\n"
+        f"fault kinds: {', '.join(KINDS)} (SPEC = KIND@STEP[:process=P][:permanent][:repeat]"
+        f"[:seconds=X]; see jaxpar/faults.py)\n"
+        f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
+        f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
+        f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "
+        f"second Ctrl-C stops at once."
+    )
+
+
+def add_train_arguments(
+    p: argparse.ArgumentParser, argv: list[str] | None = None
+) -> argparse.ArgumentParser:
+    """`jaxpar train`'s options, shared with `python -m train` / `python -m jaxpar.train`."""
+    if _help_asked(argv):
+        p.epilog = _train_epilog()
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument(
+        "--recipe", default="gpt_tiny",
+        help="name in jaxpar.train.recipes, or module:function (default: gpt_tiny)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesh", default=None,
+        help="preset name (jaxpar.meshes.PRESETS) or 'data=2,tensor=4' (default: the recipe's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=_int_at_least(1), default=None,
+        help="optimizer steps, >= 1 (default: the recipe's train.steps)",
+    )  # fmt: skip
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/RECIPE-TIME)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. optim.lr=1e-3 (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fault", dest="faults", action="append", default=[], metavar="SPEC",
+        help="inject a failure, e.g. kill@15 (repeatable; kinds below)",
+    )  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a recipe: the same run as `python -m train`, with the worker exit codes."""
+    from jaxpar.api import run_worker
+
+    def train() -> None:
+        from jaxpar import api, trainer
+        from jaxpar.config import apply_overrides, resolve_recipe, validate
+
+        cfg = resolve_recipe(args.recipe)
+        cfg = validate(apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides))
+        keys = {o.partition("=")[0].strip() for o in args.overrides}
+        cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
+        mesh = args.mesh if args.mesh is not None else cfg.mesh
+        summary = api.fit(cfg, mesh, args.run_dir, faults=args.faults,
+                          progress=False if args.no_progress else None)  # fmt: skip
+        import jax
+
+        if summary.get("final_loss") is not None and jax.process_index() == 0:
+            print(f"run directory: {summary['run_dir']}")
+            print(
+                f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+                f"in {summary['wall_s']:.1f}s"
+            )
+
+    return run_worker(train)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -306,34 +408,18 @@ def _add_launch_parser(sub) -> None:
     la.set_defaults(func=cmd_launch)
 
 
-def _names(help_asked: bool) -> str | None:
-    """Recipe and preset names for --help (imported only when help is asked for)."""
-    if not help_asked:
-        return None
-    try:
-        import meshes
-        from train.recipes import RECIPES
-    except ImportError as e:
-        return f"recipes and mesh presets: run from the jaxpar checkout to list them ({e})"
-    return f"recipes: {', '.join(RECIPES)}\nmesh presets: {', '.join(meshes.PRESETS)}"
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (exit 2), not usage text plus an error."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
-    # only `inspect --help` and `bench --help` list recipes and presets (they import jax)
-    names = _names(
-        argv[:1] in (["inspect"], ["bench"]) and any(a in ("-h", "--help") for a in argv)
-    )
+    # only `train`, `inspect` and `bench --help` list recipes and presets (they import jax)
+    names = _names() if argv[:1] in (["inspect"], ["bench"]) and _help_asked(argv) else None
     raw = argparse.RawDescriptionHelpFormatter
-    p = _Parser(prog="jaxpar", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="jaxpar", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"jaxpar {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train_argv = argv if argv[:1] == ["train"] else []
+    add_train_arguments(
+        sub.add_parser("train", help="train a recipe (same as python -m train)"), train_argv
+    )
     ins = sub.add_parser(
         "inspect", help="parameter shardings and the compiled step's collectives",
         epilog=names, formatter_class=raw,
@@ -371,13 +457,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from jaxpar import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Recipes and presets may live in the current directory, but it goes last on sys.path: a
-    # folder named like an installed package (matplotlib/, jax/) must never shadow it.
+    from jaxpar.config import search_current_directory
+
+    # `python -c`/`python -m jaxpar.cli` put the current directory first on sys.path: a folder
+    # there named like an installed package (matplotlib/) must never shadow it.
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    search_current_directory()  # a user's recipe module, after the installed packages
     args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)

@@ -17,13 +17,9 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class ModelConfig(Protocol):
-    """What jaxpar needs from a model config (a frozen dataclass of the user's)."""
-
-    def build(self, rngs: Any) -> Any: ...
+from jaxpar.contract import ModelConfig, not_hashed  # noqa: F401 - ModelConfig re-exported
 
 
 @dataclass(frozen=True)
@@ -124,6 +120,24 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # The model contract's user hooks (jaxpar/contract.py, docs/model_contract.md):
+    # loss(model, batch, rngs) -> (loss, metrics); None: the data source's built-in task
+    loss: Any = None
+    # an optax GradientTransformation, or total_steps -> GradientTransformation; None: `optim`
+    optimizer: Any = None
+    # extra (logical name, mesh axes) rules, after the preset's, for parameters and activations
+    rules: tuple = ()
+
+
+USER_HOOKS = ("loss", "optimizer")  # callables a recipe supplies; recorded as MODULE:QUALNAME
+
+
+def _qualified(v: Any) -> str:
+    """MODULE:QUALNAME of a function, class or object (an optax transformation: its update)."""
+    if hasattr(v, "update") and not hasattr(v, "__qualname__"):  # optax GradientTransformation
+        v = v.update
+    t = v if hasattr(v, "__qualname__") else type(v)
+    return f"{t.__module__}:{t.__qualname__}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -136,8 +150,10 @@ def to_dict(cfg: Any) -> dict:
             if f.name == "model":
                 d["_class"] = f"{type(v).__module__}:{type(v).__qualname__}"
             v = d
+        elif f.name in USER_HOOKS and v is not None:
+            v = _qualified(v)
         elif isinstance(v, tuple):
-            v = list(v)
+            v = [list(x) if isinstance(x, tuple) else x for x in v]
         elif f.name == "source" and not isinstance(v, str):  # a source or factory from a recipe
             t = v if hasattr(v, "__qualname__") else type(v)
             v = f"{t.__module__}:{t.__qualname__}"
@@ -164,8 +180,8 @@ def hashed_dict(
 ) -> dict:
     """What `config_hash` hashes (checkpoints keep it, so a refusal can name what changed)."""
     d = to_dict(cfg)
-    d = {k: d[k] for k in sections}
-    for name in getattr(cfg.model, "NOT_HASHED", ()):
+    d = {k: d[k] for k in sections} | {k: d[k] for k in (*USER_HOOKS, "rules") if d.get(k)}
+    for name in not_hashed(cfg.model):
         d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
     return d
@@ -205,7 +221,14 @@ def _convert(text: str, typ: Any, key: str) -> Any:
             raise ValueError(f"--set {key}={text}: expected {typ.__name__}") from None
     if origin is tuple:
         return _convert_tuple(text, typ, key)
-    return json.loads(text) if typ is not Any else text
+    if typ is tuple:
+        return _convert_tuple(text, tuple[Any, ...], key)
+    if typ is Any:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"--set {key}={text}: expected a JSON value") from None
 
 
 def _convert_tuple(text: str, typ: Any, key: str) -> tuple:
@@ -261,21 +284,22 @@ def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = ""
 
 
 def resolve_recipe(name: str) -> TrainConfig:
-    """A recipe by name from `train.recipes`, or `module:function` for a user's own."""
+    """A recipe by name from `jaxpar.train.recipes`, or `module:function` for a user's own.
+
+    A user's module is imported from sys.path; the current directory is searched too, after
+    the installed packages (never ahead of them).
+    """
     if ":" in name:
         mod_name, fn_name = name.split(":", 1)
     else:
-        mod_name, fn_name = "train.recipes", name
-    if not {"", ".", os.getcwd()} & set(sys.path):
-        # run from the checkout: recipes live beside jaxpar/; last, so that a folder in the
-        # current directory never shadows an installed package
-        sys.path.append(os.getcwd())
+        mod_name, fn_name = "jaxpar.train.recipes", name
+    search_current_directory()
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise ValueError(
-            f"recipe {name!r}: cannot import {mod_name!r} ({e}); run from the jaxpar checkout or "
-            f"give MODULE:FUNCTION on sys.path"
+            f"recipe {name!r}: cannot import {mod_name!r} ({e}); give MODULE:FUNCTION with "
+            f"MODULE importable from the current directory or sys.path"
         ) from None
     fn = getattr(mod, fn_name, None)
     if fn is None:
@@ -403,6 +427,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for g in dataclasses.fields(section):
             key = f"{f.name}.{g.name}"
             _check(key, getattr(section, g.name), RANGES.get(key))
+    for hook in USER_HOOKS:
+        value = getattr(cfg, hook, None)
+        if value is not None and not callable(value):
+            raise ValueError(
+                f"{hook}={value!r}: a recipe sets it to a Python callable; it cannot be set "
+                f"with --set"
+            )
+    for rule in cfg.rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(
+                f"rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. "
+                f'[["mlp", "tensor"]]'
+            )
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")
@@ -425,3 +462,9 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
             "run (set ckpt.every=N to save every N steps)"
         )
     return out
+
+
+def search_current_directory() -> None:
+    """Let a user's modules in the current directory be imported, after the installed ones."""
+    if "" not in sys.path and "." not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append("")

@@ -27,6 +27,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxpar import runlog
+
 # Worker exit codes the supervisor understands (anything else non-zero is cause `exit`).
 EXIT_PREEMPTED = 42  # a preemption notice (SIGTERM) was honoured: checkpoint saved, then exit
 EXIT_COLLECTIVE = 43  # a collective / coordination error: a peer is gone, exit without waiting
@@ -54,8 +56,8 @@ ENV_MESH = "JAXPAR_MESH"  # mesh spec, e.g. "data=4,fsdp=1,tensor=1,pipeline=1"
 ENV_MICROBATCHES = "JAXPAR_MICROBATCHES"  # gradient-accumulation microbatches per step
 
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
-HEARTBEAT_DIR = "heartbeats"
-STACKS_DIR = "stacks"
+HEARTBEAT_DIR = runlog.HEARTBEATS
+STACKS_DIR = runlog.STACKS
 _HISTORY = 16  # (step, time) pairs kept in a progress heartbeat, for straggler detection
 
 _state: dict[str, Any] = {"hb_dir": None, "history": [], "stack_file": None}

@@ -161,7 +161,10 @@ class Progress:
         self.last_print = 0.0
         self.every_s = 0.2 if self.tty else 10.0
 
-    def update(self, step: int, loss: float, rate: float | None, unit: str) -> None:
+    def update(
+        self, step: int, loss: float, rate: float | None, unit: str, extra: dict | None = None
+    ) -> None:
+        """`extra`: further metrics shown after the loss (e.g. {"accuracy": 0.93})."""
         if not self.enabled:
             return
         now = time.time()
@@ -174,7 +177,8 @@ class Progress:
         frac = step / self.total if self.total else 1.0
         bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
         rate_s = f"{rate:,.0f} {unit}/s" if rate else "-"
-        text = f"[{bar}] step {step}/{self.total} loss {loss:.4f} {rate_s} eta {_fmt_s(eta)}"
+        more = "".join(f" {k} {v:.4f}" for k, v in (extra or {}).items())
+        text = f"[{bar}] step {step}/{self.total} loss {loss:.4f}{more} {rate_s} eta {_fmt_s(eta)}"
         if self.tty:
             self.stream.write("\r" + text + ("\n" if final else ""))
         else:

@@ -27,9 +27,11 @@ import fcntl
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import stat
+import sys
 import time
 from dataclasses import dataclass
 
@@ -216,3 +218,20 @@ def held(run_dir: str) -> bool:
     finally:
         os.close(fd)  # also drops the shared lock taken just now
     return False
+
+
+def resume_command(run_dir: str, argv: list[str] | None = None) -> str:
+    """The command line of this process (sys.orig_argv) with its --run-dir made explicit: what
+    resumes the run after an interruption."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    if len(argv) > 1 and os.path.basename(argv[1]) == "jaxpar":  # the console script
+        argv = argv[1:]
+    if argv:
+        argv[0] = (
+            "python"
+            if os.path.basename(argv[0]).startswith("python")
+            else os.path.basename(argv[0])
+        )
+    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv):
+        argv += ["--run-dir", run_dir]
+    return shlex.join(argv)

@@ -52,8 +52,7 @@ def model_config(values: object, where: str) -> Any:
     if not isinstance(values, dict) or not isinstance(values.get("_class"), str):
         raise ValueError(f"{where}: no model '_class'; was this written by jaxpar?")
     mod_name, _, qual = values["_class"].partition(":")
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # models/ lives in the checkout, like recipes
+    config_lib.search_current_directory()  # a user's model package, after the installed ones (like recipes)
     try:
         cls = importlib.import_module(mod_name)
         for part in qual.split("."):

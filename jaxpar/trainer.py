@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, launch, rundir, runlog
+from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import (
     Checkpointer,
@@ -100,11 +100,8 @@ def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
 
 def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
     """Model FLOPs of one optimizer step by the 6*N*T formula (plus attention), where known."""
-    if source.kind == "lm" and hasattr(cfg.model, "flops_per_token"):
-        return cfg.model.flops_per_token() * cfg.data.global_batch * source.seq_len
-    if hasattr(cfg.model, "flops_per_example"):
-        return cfg.model.flops_per_example() * cfg.data.global_batch
-    return None
+    seq = source.seq_len if source.kind == "lm" else 1
+    return contract.flops_per_step(cfg.model, source.kind, cfg.data.global_batch, seq)
 
 
 def setup(
@@ -117,6 +114,7 @@ def setup(
 ) -> Session:
     """Build the mesh (over `devices`, default all), data source and program; write config.json
     (create=False: write nothing yet, see `open_run_dir`)."""
+    contract.check_model_config(cfg.model)
     validate_rules(preset.params)
     validate_rules(preset.acts)
     mesh = make_mesh(preset.mesh, devices)
@@ -166,17 +164,31 @@ def compile_step(s: Session):
     return compiled, time.time() - t0
 
 
-def evaluate(s: Session, state: dict, step: int) -> float:
-    losses = []
+def evaluate(s: Session, state: dict, step: int) -> dict:
+    """Loss and every metric of the loss, averaged over train.eval_batches batches of the eval
+    split; written as eval_loss, eval_NAME. Returns the metrics line."""
+    values: dict[str, list[float]] = {}
     for i in range(s.cfg.train.eval_batches):
         batch = device_batch(s, i, split="eval")
-        losses.append(float(s.program.eval_step(state, batch)["loss"]))
-    loss = float(np.mean(losses))
-    line = {"step": step, "eval_loss": loss, "time": time.time()}
+        for k, v in jax.device_get(s.program.eval_step(state, batch)).items():
+            values.setdefault(k, []).append(float(np.mean(v)))
+    order = sorted(values, key=lambda k: k != "loss")  # eval_loss first
+    line = {"step": step, **{f"eval_{k}": float(np.mean(values[k])) for k in order}}
+    line["time"] = time.time()
     s.run.metrics(line)
     if s.tb:
         s.tb.write(line)
-    return loss
+    return line
+
+
+ENGINE_METRICS = ("loss", "lr", "grad_norm")  # the step's own; the rest come from the loss
+
+
+def loss_metrics(line: dict, prefix: str = "") -> dict:
+    """The loss function's own metrics (e.g. accuracy) of a metrics line, for display."""
+    skip = {f"{prefix}{k}" for k in ENGINE_METRICS}
+    return {k: v for k, v in line.items() if k.startswith(prefix) and k not in skip
+            and k not in METRICS_LINE_KEYS}  # fmt: skip
 
 
 def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
@@ -190,11 +202,17 @@ def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
     line["mfu"] = mfu(s.flops_per_step, dt, jax.device_count(), s.peak)
     stats = jax.local_devices()[0].memory_stats()  # None on CPU
     line["mem_gb"] = stats["bytes_in_use"] / 1e9 if stats and "bytes_in_use" in stats else None
-    for k in ("lr", "grad_norm", "accuracy"):
-        if k in m:
-            line[k] = float(np.mean(m[k]))
+    for k, v in m.items():  # lr, grad_norm and every metric the loss returns (e.g. accuracy)
+        if k != "loss":
+            line[k] = float(np.mean(v))
     line["time"] = time.time()
     return line
+
+
+# keys of a metrics line that are not metrics of the model
+METRICS_LINE_KEYS = frozenset(
+    ("step", "step_time_s", "tokens_per_s", "samples_per_s", "mfu", "mem_gb", "time")
+)
 
 
 def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
@@ -438,7 +456,8 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 if ckpt.interrupted:
-                    raise Preempted(f"interrupted at step {step}; checkpoint saved", step, True)
+                    msg = f"interrupted at step {step}; checkpoint saved"
+                    raise Preempted(msg, step, interrupted=True, run_dir=s.run.path)
                 raise Preempted(f"preempted at step {step}; saved", step)
             return step
         inject.before_step(step)
@@ -465,11 +484,13 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
             if s.tb:
                 s.tb.write(line)
         rate = line.get("tokens_per_s") or line.get("samples_per_s")
-        bar.update(step + 1, line["loss"], rate, unit)
+        bar.update(step + 1, line["loss"], rate, unit, loss_metrics(line))
         if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):
             _save(s, ckpt, state, step + 1)
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-            bar.message(f"step {step + 1}: eval_loss {evaluate(s, state, step + 1):.4f}")
+            ev = evaluate(s, state, step + 1)
+            shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k.startswith("eval_"))
+            bar.message(f"step {step + 1}: {shown}")
     return max(start, cfg.train.steps)
 
 

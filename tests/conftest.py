@@ -33,7 +33,7 @@ def _xla_flags(existing: str, devices: int) -> str:
 # Must happen before jax creates its CPU backend (the first jax.devices() call).
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # models/, meshes/ and train/ are imported from the checkout
+    sys.path.insert(0, REPO)  # jaxpar (models/, meshes/, train/ as jaxpar.*) from the checkout
 
 import dataclasses
 import inspect
@@ -94,7 +94,7 @@ def recipe(name: str, steps: int = PARITY_STEPS, **train) -> TrainConfig:
 
 
 def preset(name: str) -> Preset:
-    import meshes
+    from jaxpar import meshes
 
     return meshes.resolve(name)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import DataConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainLoopConfig
-from models.cnn import CNNConfig
-from models.gpt import GPTConfig
-from models.mlp import MLPConfig
+from jaxpar.models.cnn import CNNConfig
+from jaxpar.models.gpt import GPTConfig
+from jaxpar.models.mlp import MLPConfig
 
 
 def gpt_tiny() -> TrainConfig:

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from jaxpar.supervisor.channel import Channel
 from jaxpar.supervisor.group import LocalGroup, LocalNode, Wakeup
-from jaxpar.supervisor.loop import Supervisor, free_port
+from jaxpar.supervisor.loop import Supervisor
 from jaxpar.supervisor.monitor import EventTail, Heartbeats, Monitor
-from jaxpar.supervisor.options import LOOPBACK, Options, check_options, say, split_address
+from jaxpar.supervisor.options import Options, check_options, free_port, say, split_address
 from jaxpar.supervisor.policy import (
     THREAD_FLAGS,
     CrashLoop,
@@ -50,7 +50,6 @@ from jaxpar.supervisor.policy import (
 from jaxpar.supervisor.transport import RemoteNode, run_follower
 
 __all__ = [
-    "LOOPBACK",
     "THREAD_FLAGS",
     "Channel",
     "CrashLoop",

@@ -19,6 +19,7 @@ from jaxpar.supervisor.options import TOKEN_ENV, TOKEN_FILE, Options
 
 MAX_LINE = 1 << 20  # bytes per message: a spec is a few hundred
 HANDSHAKE_S = 10.0
+MAX_SKIPPED = 64  # malformed messages in a row before the peer is dropped
 
 
 class ChannelError(Exception):
@@ -84,15 +85,19 @@ class Lines:
     def next(self) -> dict | None:
         """The next message (a JSON object); None at end of stream. ChannelError if a line is too
         long; a line that is not a JSON object is skipped."""
+        skipped = 0
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
                 try:
                     msg = json.loads(line)
-                except ValueError:
-                    continue
+                except (ValueError, RecursionError):  # not JSON, or nested too deep
+                    msg = None
                 if isinstance(msg, dict):
                     return msg
+                skipped += 1
+                if skipped > MAX_SKIPPED:
+                    raise ChannelError(f"more than {MAX_SKIPPED} malformed messages in a row")
             if len(self.buf) > MAX_LINE:
                 raise ChannelError(f"message longer than {MAX_LINE} bytes")
             data = self.sock.recv(65536)

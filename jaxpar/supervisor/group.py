@@ -12,9 +12,10 @@ import subprocess
 import sys
 import time
 
+from jaxpar import runlog
 from jaxpar import spare as spare_lib
 from jaxpar.supervisor.monitor import EventTail
-from jaxpar.supervisor.options import Options, say
+from jaxpar.supervisor.options import Options, cannot_write, say
 from jaxpar.supervisor.policy import worker_env
 
 
@@ -86,7 +87,7 @@ class LocalGroup:
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
         self.spares_due = False  # start spares once this group has started
         self.events: EventTail | None = None
-        self.log_dir = os.path.join(self.opts.run_dir, "logs")
+        self.log_dir = os.path.join(self.opts.run_dir, runlog.LOGS)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         return worker_env(
@@ -105,7 +106,6 @@ class LocalGroup:
         self.procs, self.logs, self.reported = {}, {}, set()
         self.attempt = int(spec["attempt"])
         self.spec = spec
-        os.makedirs(self.log_dir, exist_ok=True)
         for local_rank, pid in enumerate(spec["process_ids"]):
             env = self._env(spec, pid, local_rank)
             name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
@@ -115,7 +115,7 @@ class LocalGroup:
             if spare is not None and self._hand_over(spare, env, self.opts.command, path):
                 self.procs[pid] = spare
             else:
-                with open(path, "ab") as log:
+                with self._log(path) as log:
                     self.procs[pid] = subprocess.Popen(
                         self.opts.command, env=env, stdout=log, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -123,7 +123,16 @@ class LocalGroup:
             self.pidfds[pid] = self.waker.watch(self.procs[pid].pid)
         self.release_spares()  # ranks this group does not use (after a shrink)
         self.spares_due = self.opts.spares
-        self.events = EventTail(os.path.join(self.opts.run_dir, "events.jsonl"))  # from now
+        self.events = EventTail(os.path.join(self.opts.run_dir, runlog.EVENTS))  # from now
+
+    def _log(self, path: str):
+        """The worker log, opened for appending; /dev/null if it cannot be written."""
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            return open(path, "ab")
+        except OSError as e:
+            cannot_write(path, e)
+            return open(os.devnull, "ab")
 
     def _unwatch_all(self) -> None:
         for fd in self.pidfds.values():
@@ -154,7 +163,7 @@ class LocalGroup:
         if not self.spares_due or self.spec is None or self.events is None:
             return
         inc = self.spec["incarnation"]
-        if not any(e.get("event") == "start" and e.get("incarnation") == inc
+        if not any(e.get("event") == runlog.W.START and e.get("incarnation") == inc
                    for e in self.events.read()):  # fmt: skip
             return
         self.spares_due = False
@@ -165,7 +174,7 @@ class LocalGroup:
             env = self._env(self.spec, pid, local_rank)
             env["JAXPAR_SPARE_MODULE"] = module
             path = os.path.join(self.log_dir, f"spare{local_rank}.log")
-            with open(path, "ab") as log:
+            with self._log(path) as log:
                 self.spares[local_rank] = subprocess.Popen(
                     [sys.executable, "-m", "jaxpar.spare"], env=env, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,

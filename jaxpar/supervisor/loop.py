@@ -15,13 +15,13 @@ import signal
 import time
 from typing import Any
 
-from jaxpar import goodput
+from jaxpar import goodput, runlog
 from jaxpar import launch as L
-from jaxpar.metrics import append_line, read_jsonl, write_json
+from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
-from jaxpar.supervisor.monitor import Monitor
-from jaxpar.supervisor.options import Options, join_address, say
+from jaxpar.supervisor.monitor import Monitor, drop_empty_stack_files, stack_files
+from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import (
     CrashLoop,
     Outcome,
@@ -38,21 +38,13 @@ from jaxpar.supervisor.transport import RemoteNode, Rendezvous
 HB_EVERY_S = 0.25  # heartbeat files are read this often; exits wake the loop at once
 
 
-def free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Supervisor:
     """Runs the job: one group of workers per incarnation, restarted until done or given up."""
 
     def __init__(self, opts: Options):
         self.opts = opts
         self.run_dir = os.path.abspath(opts.run_dir)
-        self.events_path = os.path.join(self.run_dir, "events.jsonl")
+        self.events_path = os.path.join(self.run_dir, runlog.EVENTS)
         self.waker = Wakeup()
         self.nodes: list[LocalNode | RemoteNode] = []
         self.slots: list[tuple[int, int]] = []  # (node, local index), indexed by process id
@@ -63,24 +55,16 @@ class Supervisor:
         self.stop_request: int | None = None
         self.startup_measured: float | None = None
         self.faults_seen: list[dict] = []
-        self._write_failed = False
 
     def event(self, name: str, **fields: Any) -> None:
         line = {"event": name, "time": time.time(), "incarnation": self.incarnation, **fields}
         try:
             append_line(self.events_path, line)
         except OSError as e:
-            self._cannot_write(self.events_path, e)
-
-    def _cannot_write(self, path: str, e: OSError) -> None:
-        """The supervisor carries on without its own files (disk full, ...): said once."""
-        if not self._write_failed:
-            say(f"cannot write {path}: {e.strerror or e} (errno {e.errno}); carrying on without "
-                f"it — free space in {self.run_dir}")  # fmt: skip
-        self._write_failed = True
+            cannot_write(self.events_path, e)
 
     def _count_starts(self) -> int:
-        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == "start")
+        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == W.START)
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_request is not None and signum == signal.SIGINT:
@@ -109,7 +93,7 @@ class Supervisor:
             self.slots = [(n, i) for n, k in enumerate(per_node) for i in range(k)]
             self.incarnation = self._count_starts()
             self.event(
-                "launch", nproc=len(self.slots), nnodes=len(self.nodes),
+                S.LAUNCH, nproc=len(self.slots), nnodes=len(self.nodes),
                 devices_per_proc=self.opts.devices_per_proc, max_restarts=self.opts.max_restarts,
                 command=shlex.join(self.opts.command), pid=os.getpid(),
             )  # fmt: skip
@@ -130,9 +114,9 @@ class Supervisor:
                 self.run_dir, wall_s, self.restarts, status, counted_restarts=self.counted,
                 nproc=len(self.slots),
             )  # fmt: skip
-            write_json(os.path.join(self.run_dir, "summary.json"), summary)
+            write_json(os.path.join(self.run_dir, runlog.SUMMARY), summary)
         except OSError as e:
-            self._cannot_write(os.path.join(self.run_dir, "summary.json"), e)
+            cannot_write(os.path.join(self.run_dir, runlog.SUMMARY), e)
             return
         say(goodput.format_summary(summary))
 
@@ -151,7 +135,7 @@ class Supervisor:
             if out.kind == "preempted":
                 self.restarts += 1
                 self.incarnation = self._count_starts()
-                self.event("restart", attempt=self.restarts, nproc=len(self.slots), counted=False,
+                self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=False,
                            backoff_s=0.0, reason="preempted")  # fmt: skip
                 say("preempted: restarting (not counted against --max-restarts)")
                 continue
@@ -159,7 +143,7 @@ class Supervisor:
             if reason is None and out.lost:
                 reason = self._shrink(out.lost)
             if reason is not None:
-                self.event("gave_up", reason=reason)
+                self.event(S.GAVE_UP, reason=reason)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
                 return "gave_up", 1
             streak += 1
@@ -167,7 +151,7 @@ class Supervisor:
             self.counted += 1
             self.restarts += 1
             self.incarnation = self._count_starts()
-            self.event("restart", attempt=self.restarts, nproc=len(self.slots), counted=True,
+            self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=True,
                        backoff_s=delay, reason=out.cause)  # fmt: skip
             say(
                 f"restart {self.counted}/{self.opts.max_restarts} on {len(self.slots)} processes"
@@ -199,7 +183,7 @@ class Supervisor:
             if p < len(self.slots):
                 del self.slots[p]
         try:
-            with open(os.path.join(self.run_dir, "config.json")) as f:
+            with open(os.path.join(self.run_dir, runlog.CONFIG)) as f:
                 cfg = json.load(f)
             batch = int(cfg["data"]["global_batch"])
             mesh_s = cfg.get("mesh_resolved") or ""
@@ -222,7 +206,7 @@ class Supervisor:
         mesh_new = mesh_text(plan["mesh"])
         self.layout = {"mesh": mesh_new, "microbatches": plan["microbatches"]}
         self.incarnation = self._count_starts()
-        self.event("shrink", from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
+        self.event(S.SHRINK, from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
                    mesh=mesh_new, microbatches=plan["microbatches"])  # fmt: skip
         say(f"shrink {before} -> {plan['nproc']} processes, mesh {mesh_new}, "
             f"microbatches {plan['microbatches']}")  # fmt: skip
@@ -254,7 +238,7 @@ class Supervisor:
         coordinator = join_address(host, port)
         hang, startup, coll = self._timeouts()
         mon = Monitor(self.run_dir, nproc, self.incarnation, self.faults_seen)
-        self.event("group_started", nproc=nproc, coordinator=coordinator, attempt=self.restarts,
+        self.event(S.GROUP_STARTED, nproc=nproc, coordinator=coordinator, attempt=self.restarts,
                    hang_timeout_s=self.opts.hang_timeout, startup_timeout_s=startup,
                    collective_timeout_s=coll)  # fmt: skip
         t_spawn = time.time()
@@ -276,7 +260,7 @@ class Supervisor:
 
     def _record(self, out: Outcome) -> None:
         if out.kind == "preempted":
-            self.event("preemption", process=out.process, code=out.code, step=out.step)
+            self.event(S.PREEMPTION, process=out.process, code=out.code, step=out.step)
             return
         fields: dict[str, Any] = {"cause": out.cause, "process": out.process, "code": out.code,
                                   "step": out.step}  # fmt: skip
@@ -285,14 +269,22 @@ class Supervisor:
         for name in ("detail", "lost", "exits", "stale_s"):
             if getattr(out, name) not in (None, "", []):
                 fields[name] = getattr(out, name)
-        self.event("failure", **fields)
+        self.event(S.FAILURE, **fields)
         where = f" at step {out.step}" if out.step is not None else " during start-up"
+        injected = [e.get("spec") for e in self.faults_seen
+                    if e.get("incarnation") == self.incarnation
+                    and e.get("kind") in runlog.ENDING_FAULTS]  # fmt: skip
+        why = f" — injected fault {injected[-1]}" if injected else ""
         say(f"failure{where}: {out.cause} of process {out.process} (code {out.code}) "
-            f"{out.detail}".rstrip())  # fmt: skip
+            f"{out.detail}".rstrip() + why)  # fmt: skip
         log = self._log_of(out.process)
         if log and os.path.exists(log) and out.cause not in ("hang",):
-            with open(log, errors="replace") as f:
-                last = f.readlines()[-12:]
+            try:
+                with open(log, "rb") as f:
+                    f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
+                    last = f.read().decode(errors="replace").splitlines(keepends=True)[-12:]
+            except OSError:
+                return
             say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
 
     def _log_of(self, pid: int | None) -> str | None:
@@ -307,11 +299,14 @@ class Supervisor:
                 node.signal(signal.SIGCONT)  # a stopped worker cannot dump (nor die of SIGTERM)
                 node.signal(signal.SIGUSR1)
             deadline = time.time() + 2.0  # faulthandler writes at once; files may be remote
-            while len(self._stack_files()) < len(self.slots) and time.time() < deadline:
+            while (
+                len(stack_files(self.run_dir, self.incarnation)) < len(self.slots)
+                and time.time() < deadline
+            ):
                 time.sleep(0.05)
             time.sleep(0.1)  # let the last one finish writing
-            files = self._stack_files()
-            self.event("stacks_dumped", process=out.process, files=files)
+            files = stack_files(self.run_dir, self.incarnation)
+            self.event(S.STACKS_DUMPED, process=out.process, files=files)
             say(f"stacks of every worker dumped to {', '.join(files) or '(none)'}")
         # A failed group's survivors cannot finish a collective without the lost peer (a SIGTERM
         # would only start a preemption save that cannot complete): kill them at once.
@@ -319,34 +314,18 @@ class Supervisor:
         for node in reversed(self.nodes):  # remote agents first: they stop in parallel
             node.request_stop(grace)
         stopped = [node.wait_stopped() for node in self.nodes]
-        self._drop_empty_stack_files()
+        drop_empty_stack_files(self.run_dir)
         if out.kind == "done":
             return
-        self.event("survivors_stopped", seconds=time.time() - t,
+        self.event(S.SURVIVORS_STOPPED, seconds=time.time() - t,
                    terminated=sum(s.get("terminated", 0) for s in stopped),
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
 
-    def _stack_files(self) -> list[str]:
-        d = os.path.join(self.run_dir, L.STACKS_DIR)
-        prefix = f"inc{self.incarnation}-"
-        try:
-            names = [n for n in os.listdir(d) if n.startswith(prefix)]
-            return sorted(os.path.join(L.STACKS_DIR, n) for n in names
-                          if os.path.getsize(os.path.join(d, n)) > 0)  # fmt: skip
-        except OSError:
-            return []
-
-    def _drop_empty_stack_files(self) -> None:
-        d = os.path.join(self.run_dir, L.STACKS_DIR)
-        for n in os.listdir(d) if os.path.isdir(d) else []:
-            path = os.path.join(d, n)
-            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == 0:
-                os.remove(path)
-
     def _stopped(self) -> list[int]:
-        """Process ids of workers seen stopped (SIGSTOP), on this host."""
-        local = self.nodes[0].stopped()
-        return [p for p, (n, _) in enumerate(self.slots) if n == 0 and p in local]
+        """Process ids of workers seen stopped (SIGSTOP) on any host, in order."""
+        return sorted(
+            {p for node in self.nodes for p in node.stopped()} & set(range(len(self.slots)))
+        )
 
     def _watch(self, nproc: int, mon: Monitor, t_spawn: float, hang: float, startup: float):
         exits: list[tuple[int, int]] = []
@@ -413,7 +392,7 @@ class Supervisor:
             if s["process"] in reported:
                 continue
             reported.add(s["process"])
-            self.event("straggler", **s)
+            self.event(S.STRAGGLER, **s)
             factor = f"{s['factor']:.1f}x" if s["factor"] is not None else "many times"
             say(
                 f"straggler: process {s['process']} reaches each step {s['lag_s']:.2f}s after the "

@@ -3,13 +3,15 @@ in progress, and the hang decision. Times are the supervisor's clock (hosts' clo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 from dataclasses import dataclass, field
 
-from jaxpar import goodput
 from jaxpar import launch as L
+from jaxpar import runlog
+from jaxpar.runlog import W
 from jaxpar.supervisor.policy import Outcome
 
 
@@ -31,7 +33,8 @@ class Heartbeats:
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
             if os.path.islink(path) or os.path.isfile(path):
-                os.remove(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
     def update(self, now: float) -> None:
         for p in range(self.nproc):
@@ -126,25 +129,25 @@ class Monitor:
         self.run_dir, self.nproc, self.incarnation = run_dir, nproc, incarnation
         self.hb = Heartbeats(run_dir, nproc, incarnation)
         self.hb.clear()
-        self.tail = EventTail(os.path.join(run_dir, "events.jsonl"))
+        self.tail = EventTail(os.path.join(run_dir, runlog.EVENTS))
         self.seen = Seen()
         self.faults_seen = faults_seen  # every incarnation's `fault_injected`, kept by the loop
 
     def read_events(self, now: float) -> None:
         for e in self.tail.read():
             kind = e.get("event")
-            if kind == "fault_injected":
+            if kind == W.FAULT_INJECTED:
                 self.faults_seen.append(e)
                 if e.get("permanent"):
                     try:
                         self.seen.lost.add(int(e.get("process", 0)))
                     except (TypeError, ValueError):
                         continue
-            elif kind == "save_begin":
+            elif kind == W.SAVE_BEGIN:
                 self.seen.save_open = now
-            elif kind == "save_end":
+            elif kind == W.SAVE_END:
                 self.seen.save_open = None
-            elif kind in ("done", "wall_time_limit"):
+            elif kind in (W.DONE, W.WALL_TIME_LIMIT):
                 self.seen.finishing = now
 
     def _faults(self, kinds: tuple[str, ...]) -> list[dict]:
@@ -187,14 +190,14 @@ class Monitor:
     def failed_step(self) -> int | None:
         """The step in progress at the failure: the injected fault's, else one past the last
         completed one (heartbeats and metrics of this incarnation)."""
-        ending = self._faults(goodput.ENDING_FAULTS)
+        ending = self._faults(runlog.ENDING_FAULTS)
         if ending:
             return int(ending[-1]["step"])
         done = [s for s in (self.hb.max_step(), self._last_logged_step()) if s is not None]
         return max(done) + 1 if done else None
 
     def _last_logged_step(self) -> int | None:
-        path = os.path.join(self.run_dir, "metrics.jsonl")
+        path = os.path.join(self.run_dir, runlog.METRICS)
         try:
             with open(path, "rb") as f:
                 start = max(0, os.path.getsize(path) - 8192)
@@ -210,3 +213,27 @@ class Monitor:
             except (ValueError, TypeError, AttributeError, KeyError):
                 continue
         return None
+
+
+def stack_files(run_dir: str, incarnation: int) -> list[str]:
+    """The non-empty stack dumps of `incarnation`, relative to the run directory."""
+    d = os.path.join(run_dir, L.STACKS_DIR)
+    prefix = f"inc{incarnation}-"
+    try:
+        names = [n for n in os.listdir(d) if n.startswith(prefix)]
+        return sorted(os.path.join(L.STACKS_DIR, n) for n in names
+                      if os.path.getsize(os.path.join(d, n)) > 0)  # fmt: skip
+    except OSError:
+        return []
+
+
+def drop_empty_stack_files(run_dir: str) -> None:
+    """Remove the empty dump files of workers that were never asked (never follows a link)."""
+    d = os.path.join(run_dir, L.STACKS_DIR)
+    try:
+        for n in os.listdir(d) if os.path.isdir(d) and not os.path.islink(d) else []:
+            path = os.path.join(d, n)
+            if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == 0:
+                os.remove(path)
+    except OSError:
+        return

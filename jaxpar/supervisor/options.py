@@ -6,10 +6,10 @@ import ipaddress
 import math
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass, field
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TOKEN_ENV = "JAXPAR_LAUNCH_TOKEN"  # the agents' shared secret, if not in --token-file
 TOKEN_FILE = "launch-token"  # RUN_DIR/launch-token (0600) when neither is given
 
@@ -81,6 +81,13 @@ def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def free_port(host: str) -> int:
+    """A port nobody listens on at `host` now (for jax's coordinator)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _check_host(host: str, what: str) -> None:
     try:
         ipaddress.ip_address(host)
@@ -143,3 +150,16 @@ def check_options(o: Options) -> None:
 
 def say(msg: str) -> None:
     print(f"[jaxpar launch] {msg}", file=sys.stderr, flush=True)
+
+
+_unwritable: set[str] = set()
+
+
+def cannot_write(path: str, e: OSError) -> None:
+    """The supervisor carries on without a file it cannot write (a full disk, ...); each kind of
+    error is said once, not once per write."""
+    why = e.strerror or str(e)
+    if why not in _unwritable:
+        _unwritable.add(why)
+        say(f"cannot write {path}: {why}; carrying on without it (free space in "
+            f"{os.path.dirname(path)})")  # fmt: skip

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxpar.runlog import S
 from jaxpar.supervisor.channel import (
     HANDSHAKE_S,
     Channel,
@@ -38,6 +39,7 @@ from jaxpar.supervisor.channel import (
 from jaxpar.supervisor.group import LocalGroup, Wakeup
 from jaxpar.supervisor.options import Options, say
 
+MAX_HANDSHAKES = 32  # connections being admitted at once
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGCONT)  # what a leader may have sent
 
 
@@ -60,6 +62,7 @@ class RemoteNode:
         self.pending: list[tuple[int, int]] = []
         self.attempt = -1
         self._grace = 0.0
+        self._stopped: list[int] = []
 
     def start(self, spec: dict) -> None:
         self.attempt = int(spec["attempt"])
@@ -73,13 +76,17 @@ class RemoteNode:
             try:
                 if "exit" in msg and _int(msg, "attempt") == self.attempt:  # not a stopped group's
                     self.pending.append((_int(msg, "exit"), _int(msg, "code")))
+                elif "stopped_workers" in msg and _int(msg, "attempt") == self.attempt:
+                    ids = msg["stopped_workers"]
+                    self._stopped = [i for i in ids if type(i) is int] if type(ids) is list else []
             except ChannelError:
                 continue
         out, self.pending = self.pending, []
         return out
 
     def stopped(self) -> list[int]:
-        return []
+        """Process ids the agent last saw stopped (SIGSTOP)."""
+        return list(self._stopped)
 
     def signal(self, sig: int) -> None:
         self.chan.send({"cmd": "signal", "sig": int(sig)})
@@ -116,6 +123,7 @@ class Rendezvous:
         self.taken: dict[int, RemoteNode] = {}
         self._lock = threading.Lock()
         self.closed = False
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         family = socket.AF_INET6 if ":" in opts.bind else socket.AF_INET
         self.server = socket.create_server((opts.bind, opts.control_port), family=family)
         self.server.settimeout(0.5)
@@ -129,10 +137,21 @@ class Rendezvous:
                 continue
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):  # a flood: no thread per connection
+                self.event(S.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
+                           reason=f"more than {MAX_HANDSHAKES} connections at once")  # fmt: skip
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
             threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
 
     def _admit(self, sock: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            self._handshake(sock, f"{addr[0]}:{addr[1]}")
+        finally:
+            self._slots.release()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
         sock.settimeout(HANDSHAKE_S)
         lines = Lines(sock)
         try:
@@ -146,7 +165,7 @@ class Rendezvous:
             if not isinstance(theirs, str) or not isinstance(hello.get("mac"), str):
                 raise ChannelError("no proof of the token")
             if not hmac.compare_digest(
-                hello["mac"], mac(self.key, "f", nonce, theirs, rank, nproc)
+                hello["mac"].encode(), mac(self.key, "f", nonce, theirs, rank, nproc).encode()
             ):
                 self._refuse(sock, peer, "authentication failed (the agents' tokens differ)")
                 return
@@ -168,12 +187,12 @@ class Rendezvous:
             self.joined.put(node)
             self.waker.poke()
         except (OSError, ChannelError) as e:
-            self.event("control_rejected", peer=peer, reason=str(e) or type(e).__name__)
+            self.event(S.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__)
             with contextlib.suppress(OSError):
                 sock.close()
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.event("control_rejected", peer=peer, reason=reason)
+        self.event(S.CONTROL_REJECTED, peer=peer, reason=reason)
         say(f"refused a control connection from {peer}: {reason}")
         with contextlib.suppress(OSError):
             send_line(sock, {"refused": reason})
@@ -224,7 +243,7 @@ def _connect(opts: Options, key: bytes, waker: Wakeup) -> Channel | str:
                 return reply["refused"][:200]
             proof = reply.get("welcome") if reply else None
             if not isinstance(proof, str) or not hmac.compare_digest(
-                proof, mac(key, "l", nonce, challenge["challenge"])
+                proof.encode(), mac(key, "l", nonce, challenge["challenge"]).encode()
             ):
                 raise ChannelError("the server could not prove the token")
             return Channel(sock, lines, waker)
@@ -280,6 +299,7 @@ def run_follower(opts: Options) -> int:
     group = LocalGroup(opts, waker)
     signal.signal(signal.SIGTERM, lambda *_: group.send(signal.SIGTERM))  # preemption notice
     say(f"node {opts.node_rank}: joined the leader at {opts.coordinator}")
+    stopped: list[int] = []
     try:
         while True:
             for msg in chan.messages():
@@ -295,6 +315,9 @@ def run_follower(opts: Options) -> int:
                     return code
             for pid, code in group.poll():
                 chan.send({"exit": pid, "code": code, "attempt": group.attempt})
+            if (now := group.stopped()) != stopped:  # a hang names a stopped worker
+                stopped = now
+                chan.send({"stopped_workers": now, "attempt": group.attempt})
             waker.wait(opts.poll_s * 5)
     finally:
         group.kill_all()

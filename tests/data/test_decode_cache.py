@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxpar import step as _step  # noqa: F401 - builds annotated models without a mesh
+from jaxpar.models.gpt import GPTConfig
 from jaxpar.sample import Codec, generate
-from models.gpt import GPTConfig
 
 CFG = GPTConfig(vocab_size=300, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_mlp=64)
 

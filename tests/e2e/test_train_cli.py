@@ -46,7 +46,7 @@ def test_config_json_is_the_resolved_config(gpt_run):
         cfg = json.load(f)
     assert cfg["name"] == "gpt_tiny"
     assert cfg["train"]["steps"] == 12 and cfg["train"]["eval_every"] == 6
-    assert cfg["model"]["_class"] == "models.gpt:GPTConfig"
+    assert cfg["model"]["_class"] == "jaxpar.models.gpt:GPTConfig"
     assert cfg["mesh_resolved"] == "data=8,fsdp=1,tensor=1,pipeline=1"  # no --mesh: all on data
 
 

@@ -84,6 +84,7 @@ def test_hang_detected_stacks_dumped_restart(tmp_path, reference):
     (fault,) = run.events("fault_injected")
     (f,) = run.events("failure")
     assert (f["cause"], f["process"], f["step"]) == ("hang", 2, 6)
+    assert "injected fault hang@6:process=2" in run.output()  # the console says it was injected
     latency = f["time"] - fault["time"]
     assert latency < HANG_TIMEOUT + 10, latency  # the clock runs from its last heartbeat
     (dump,) = run.events("stacks_dumped")

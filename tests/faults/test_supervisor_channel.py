@@ -5,6 +5,8 @@ fake leader are refused, and the job finishes unharmed."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import sys
 import threading
@@ -192,3 +194,64 @@ def test_follower_ignores_a_fake_leader_then_joins_the_real_one(tmp_path):
     assert [s["nproc"] for s in runs[1].events("start")] == [2]
     assert not (run_dir / "launch-token").exists()  # the token came from the environment
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_leader_listens_on_the_coordinator_address_only(tmp_path):
+    import psutil
+
+    port = _free_port()
+    args = [
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--coordinator",
+        f"127.0.0.2:{port}",
+    ]
+    run = Launch(tmp_path / "run", args, fake_cmd(tmp_path, "train", 2))
+    try:
+        deadline = time.time() + 60
+        listening: list = []
+        while not listening:
+            assert time.time() < deadline and run.proc.poll() is None, run.output()
+            conns = psutil.Process(run.proc.pid).net_connections(kind="tcp")
+            listening = [c.laddr for c in conns if c.status == psutil.CONN_LISTEN]
+            time.sleep(0.1)
+        assert [(a.ip, a.port) for a in listening] == [("127.0.0.2", port)]
+    finally:
+        run.close()
+
+
+def test_stopped_worker_on_another_host_is_the_one_named(tmp_path):
+    port = _free_port()
+    common = ["--nproc", "1", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    env = {**clean_env(), "FAKE_STEP_S": "0.1"}
+    cmd = fake_cmd(tmp_path, "train", 40)
+    run_dir = tmp_path / "run"
+    runs = [
+        Launch(run_dir, [*common, "--node-rank", "0", "--hang-timeout", "1.5"], cmd, env=env,
+               name="node0"),
+        Launch(run_dir, [*common, "--node-rank", "1"], cmd, env=env, name="node1"),
+    ]  # fmt: skip
+    try:
+        hb = run_dir / "heartbeats" / "proc1.json"
+        deadline = time.time() + 120
+        while True:  # process 1 runs on node 1
+            assert time.time() < deadline and runs[0].proc.poll() is None, runs[0].output()
+            try:
+                rec = json.loads(hb.read_text())
+                if rec["step"] >= 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        os.kill(rec["pid"], signal.SIGSTOP)
+        assert runs[0].wait(120) == 0, runs[0].output()
+        assert runs[1].wait(60) == 0, runs[1].output()
+    finally:
+        for r in runs:
+            r.close()
+    (f,) = runs[0].events("failure")
+    assert (f["cause"], f["process"]) == ("hang", 1), f

@@ -7,7 +7,11 @@ The fake worker (launch_util.FAKE_WORKER) follows the worker contract.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,3 +86,65 @@ def test_sigterm_to_supervisor_is_a_preemption(tmp_path):
     assert rc == 42, run.output()
     assert run.summary()["status"] == "preempted"
     assert run.events("restart") == []
+
+
+def _wait_for_heartbeat(run: Launch, process: int, step: int, timeout: float = 60) -> int:
+    """The os pid of `process` once its heartbeat reaches `step`."""
+    path = run.run_dir / "heartbeats" / f"proc{process}.json"
+    deadline = time.time() + timeout
+    while True:
+        assert time.time() < deadline and run.proc.poll() is None, run.output()
+        try:
+            hb = json.loads(path.read_text())
+            if hb["step"] >= step:
+                return int(hb["pid"])
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+
+
+def test_sigstop_hang_names_the_stopped_process(tmp_path):
+    env = clean_env()
+    env["FAKE_STEP_S"] = "0.1"
+    run = _fake(tmp_path, "train", 40, "--hang-timeout", "1.5", env=env)
+    try:
+        os.kill(_wait_for_heartbeat(run, 1, 3), signal.SIGSTOP)
+        assert run.wait(120) == 0, run.output()
+    finally:
+        run.close()
+    (f,) = run.events("failure")
+    assert (f["cause"], f["process"]) == ("hang", 1), f
+    assert "hang of process 1" in run.output()
+    assert run.summary()["status"] == "completed"
+
+
+def test_disk_full_supervisor_carries_on_with_one_line(tmp_path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)], check=True)
+    try:
+        run_dir = mnt / "run"
+        run_dir.mkdir()
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the disk to the last byte
+            while os.write(fd, b"\0" * 512):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        cmd = fake_cmd(tmp_path, "train", 5)
+        run = Launch(run_dir, ["--nproc", "2", "--backoff", "0.1"], cmd, log_dir=tmp_path)
+        try:
+            rc = run.wait(120)
+        finally:
+            run.close()
+        text = run.output()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert rc == 1, text  # the workers cannot write either: a crash loop, given up cleanly
+    assert "Traceback" not in text, text
+    assert text.count("No space left on device") == 1, text  # said once, not per write
+    assert "giving up: crash loop" in text, text

@@ -93,10 +93,13 @@ def clean_env() -> dict[str, str]:
 class Launch:
     """`jaxpar launch ARGS -- COMMAND` in the background."""
 
-    def __init__(self, run_dir: Path, args: list[str], command: list[str], env=None, name="launch"):
+    def __init__(
+        self, run_dir: Path, args: list[str], command: list[str], env=None, name="launch",
+        log_dir: Path | None = None,
+    ):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.run_dir.parent / f"{self.run_dir.name}.{name}.log"
+        self.log = Path(log_dir or self.run_dir.parent) / f"{self.run_dir.name}.{name}.log"
         cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", str(run_dir), *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(

@@ -155,7 +155,7 @@ def _run(cfg, layout, run_dir, steps):
 
 
 def preset_of(layout):
-    import meshes
+    from jaxpar import meshes
 
     return meshes.resolve(layout)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-import meshes
+from jaxpar import meshes
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("JAXPAR_UPDATE_GOLDEN") == "1"

@@ -22,7 +22,7 @@ import pytest
 
 from jaxpar import pipeline
 from jaxpar.config import OptimConfig, PipelineConfig, TrainConfig
-from models.gpt import GPTConfig
+from jaxpar.models.gpt import GPTConfig
 
 STEPS = 2
 LOSS_RTOL = 2e-6  # first-step loss, relative
@@ -32,7 +32,7 @@ CHILD = "JAXPAR_PIPELINE_CHILD"
 
 
 def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, **train) -> TrainConfig:
-    from train.recipes import gpt_tiny
+    from jaxpar.train.recipes import gpt_tiny
 
     cfg = gpt_tiny()
     model = GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=layers, d_mlp=128)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from jaxpar.config import TrainConfig, apply_overrides, config_hash, resolve_recipe, to_dict
-from models.cnn import CNNConfig
-from models.gpt import GPTConfig
+from jaxpar.models.cnn import CNNConfig
+from jaxpar.models.gpt import GPTConfig
 
 
 @pytest.fixture
@@ -165,6 +165,6 @@ def test_config_hash_tells_model_classes_apart(gpt):
 def test_to_dict_is_json_and_records_the_model_class(gpt):
     d = to_dict(gpt)
     assert json.loads(json.dumps(d)) == d
-    assert d["model"]["_class"] == "models.gpt:GPTConfig"
+    assert d["model"]["_class"] == "jaxpar.models.gpt:GPTConfig"
     assert d["optim"]["lr"] == gpt.optim.lr and d["mesh"] == gpt.mesh
     assert to_dict(resolve_recipe("digits_cnn"))["model"]["channels"] == [32, 64]

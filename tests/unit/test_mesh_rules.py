@@ -10,8 +10,7 @@ import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec
 
-import meshes
-from jaxpar import trainer
+from jaxpar import meshes, trainer
 from jaxpar.config import apply_overrides, resolve_recipe
 from jaxpar.data import batch_spec
 from jaxpar.mesh import AXES, MeshSpec, batch_parallel_size, make_mesh

@@ -29,3 +29,62 @@ def test_unknown_attribute_is_an_attribute_error():
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def _loss(model, batch, rngs):
+    return 0.0, {}
+
+
+def test_model_contract_is_typed_and_checked():
+    import dataclasses
+
+    import pytest
+
+    from jaxpar import contract
+    from jaxpar.models.gpt import GPTConfig
+    from jaxpar.models.mlp import MLPConfig
+
+    gpt, mlp = GPTConfig(), MLPConfig()
+    assert isinstance(gpt, contract.ModelConfig) and isinstance(gpt, contract.FlopsPerToken)
+    assert contract.not_hashed(gpt) == ("remat",) and contract.not_hashed(mlp) == ()
+    assert contract.flops_per_step(mlp, "classification", 4, 1) == 4 * mlp.flops_per_example()
+    assert contract.flops_per_step(object(), "lm", 4, 8) is None
+
+    @dataclasses.dataclass(frozen=True)
+    class NoBuild:
+        width: int = 3
+
+    with pytest.raises(ValueError, match=r"has no build\(rngs\) method"):
+        contract.check_model_config(NoBuild())
+
+
+def test_user_hooks_are_recorded_and_hashed():
+    import optax
+
+    from jaxpar.config import TrainConfig, config_hash, to_dict
+    from jaxpar.models.mlp import MLPConfig
+
+    base = TrainConfig(model=MLPConfig())
+    hooked = TrainConfig(model=MLPConfig(), loss=_loss, optimizer=optax.sgd(0.1),
+                         rules=(("hidden", "tensor"),))  # fmt: skip
+    d = to_dict(hooked)
+    assert d["loss"] == f"{__name__}:_loss"
+    assert d["optimizer"].startswith("optax.") and d["rules"] == [["hidden", "tensor"]]
+    assert to_dict(base)["loss"] is None and to_dict(base)["rules"] == []
+    hashes = {config_hash(base), config_hash(hooked)}
+    hashes.add(config_hash(TrainConfig(model=MLPConfig(), rules=(("hidden", "fsdp"),))))
+    assert len(hashes) == 3
+
+
+def test_progress_line_shows_the_loss_metrics():
+    import io
+
+    from jaxpar.metrics import Progress
+    from jaxpar.trainer import loss_metrics
+
+    line = {"step": 3, "loss": 0.5, "lr": 0.1, "grad_norm": 2.0, "accuracy": 0.75,
+            "samples_per_s": 10.0, "mfu": None, "time": 1.0}  # fmt: skip
+    assert loss_metrics(line) == {"accuracy": 0.75}
+    out = io.StringIO()
+    Progress(3, enabled=True, stream=out).update(3, 0.5, 10.0, "samples", loss_metrics(line))
+    assert "loss 0.5000 accuracy 0.7500 10 samples/s" in out.getvalue()

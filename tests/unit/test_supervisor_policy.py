@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -256,3 +257,146 @@ def test_ledger_recovery_and_lost_steps():
     lost = goodput.time_lost(events, metrics, [inc])
     assert lost["signal"] == pytest.approx(5.5 + 2 * 0.5)  # recovery + recomputed steps
     assert lost["startup"] == pytest.approx(8.5)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--coordinator", "garbage"],
+        ["--coordinator", "host:99999"],
+        ["--coordinator", "host:abc"],
+        ["--coordinator", "[::1:5"],
+        ["--hang-timeout", "nan"],
+        ["--hang-timeout", "-1"],
+        ["--startup-timeout", "-5"],
+        ["--startup-timeout", "inf"],
+        ["--collective-timeout", "0"],
+        ["--backoff", "-1"],
+        ["--grace", "-1"],
+        ["--straggler-factor", "-1"],
+        ["--max-restarts", "-2"],
+        ["--min-nproc", "0"],
+        ["--nnodes", "2", "--coordinator", "127.0.0.1:0"],
+        ["--host", "not a host"],
+    ],
+)
+def test_launch_options_refused_in_one_line(args, capsys, tmp_path):
+    from jaxpar import cli
+
+    rc = cli.main(["launch", "--nproc", "1", "--run-dir", str(tmp_path / "r"), *args,
+                   "--", sys.executable, "-c", "pass"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in err
+    assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_launch_command_must_exist(capsys):
+    from jaxpar import cli
+
+    assert cli.main(["launch", "--nproc", "1", "--", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: worker command '/nonexistent' is not an executable file; give the " \
+        "program to run after --\n"  # fmt: skip
+    assert cli.main(["launch", "--nproc", "1", "--", "no-such-program-here"]) == 2
+    assert "not found on PATH" in capsys.readouterr().err
+
+
+def test_addresses_and_binds():
+    assert sv.split_address("10.0.0.1:29400") == ("10.0.0.1", 29400)
+    assert sv.split_address("[::1]:80") == ("::1", 80)
+    one = sv.Options(command=["x"], nproc=1, run_dir="/r")
+    assert one.bind == "127.0.0.1"  # one node: loopback
+    two = sv.Options(command=["x"], nproc=1, run_dir="/r", nnodes=2, coordinator="127.0.0.2:7")
+    assert two.bind == "127.0.0.2"  # exactly the coordinator's address, never 0.0.0.0
+    six = sv.Options(command=["x"], nproc=1, run_dir="/r", nnodes=2, coordinator="[::1]:7")
+    assert six.bind == "::1"
+    assert sv.Options(command=["x"], nproc=1, run_dir="/r", nnodes=2, coordinator="h:7",
+                      bind_host="0.0.0.0").bind == "0.0.0.0"  # fmt: skip
+
+
+def test_token_file_must_be_private(tmp_path):
+    from jaxpar.supervisor.channel import token
+
+    opts = sv.Options(command=["x"], nproc=1, run_dir=str(tmp_path / "run"), nnodes=2)
+    first = token(opts)  # created by the first agent
+    assert token(opts) == first and len(first) >= 32
+    path = tmp_path / "run" / "launch-token"
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        token(opts)
+    with pytest.raises(ValueError, match="cannot read the launch token"):
+        token(sv.Options(command=["x"], nproc=1, run_dir="/r", token_file=str(tmp_path / "no")))
+
+
+def test_child_exit_wakes_the_supervisor_and_stopped_workers_are_seen(tmp_path):
+    import subprocess
+
+    from jaxpar.supervisor.group import stopped_pids
+
+    waker = sv.Wakeup()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    fd = waker.watch(child.pid)
+    assert fd is not None  # Linux >= 5.3
+    waker.wait(3600)  # returns when the child exits, not after the timeout
+    assert child.wait(timeout=5) == 0
+    waker.unwatch(fd)
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        assert stopped_pids({7: sleeper.pid}) == []
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        for _ in range(100):
+            if stopped_pids({7: sleeper.pid}):
+                break
+            waker.wait(0.05)
+        assert stopped_pids({7: sleeper.pid}) == [7]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_channel_lines_drop_malformed_and_bound_size():
+    import contextlib
+    import socket
+    import threading
+
+    from jaxpar.supervisor.channel import MAX_LINE, ChannelError, Lines
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"not json\n[1, 2]\n" + b"[" * 200_000 + b'\n\xff\xfe\n{"ok": 1}\n')
+        lines = Lines(b)
+        assert lines.next() == {"ok": 1}  # garbage, a list, deep nesting, bad UTF-8 skipped
+        a.sendall(b"\n" * 1000)
+        with pytest.raises(ChannelError, match="malformed messages in a row"):
+            lines.next()
+        lines.buf = b""
+
+        def send_too_much():
+            with contextlib.suppress(OSError):  # the reader hangs up first
+                a.sendall(b"x" * (MAX_LINE + 70_000))
+
+        sender = threading.Thread(target=send_too_much)
+        sender.start()
+        with pytest.raises(ChannelError, match="longer than"):
+            lines.next()
+        b.close()
+        sender.join(30)
+
+
+def test_a_group_runs_its_own_command_whatever_the_spec_says(tmp_path):
+    marker, ran = tmp_path / "pwned", tmp_path / "ran"
+    own = [sys.executable, "-c", f"open({str(ran)!r}, 'w').write('yes')"]
+    opts = sv.Options(command=own, nproc=1, run_dir=str(tmp_path / "run"), spares=False)
+    group = sv.LocalGroup(opts)
+    spec = {"incarnation": 0, "coordinator": "127.0.0.1:1", "bind": "127.0.0.1:1", "nproc": 1,
+            "process_ids": [0], "attempt": 0, "faults": [], "collective_timeout": 60,
+            "command": ["touch", str(marker)]}  # fmt: skip
+    group.start(spec)
+    exits = []
+    while not exits:
+        group.waker.wait(60)
+        exits += group.poll()
+    assert exits == [(0, 0)] and ran.read_text() == "yes" and not marker.exists()

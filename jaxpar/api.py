@@ -1,0 +1,341 @@
+"""The library API for a user's own training entrypoint (re-exported from `jaxpar`).
+
+    import jaxpar
+
+    def main() -> None:
+        cfg = jaxpar.TrainConfig(model=MyModelConfig(...), ...)
+        jaxpar.fit(cfg, mesh="fsdp8", run_dir="runs/mine")      # the whole supervised loop
+
+    if __name__ == "__main__":
+        jaxpar.entrypoint(main)      # devices, jax.distributed, exit codes `jaxpar launch` reads
+
+Or step by step, with nothing materialised unsharded:
+
+    job = jaxpar.build(cfg, mesh="dp2_tp4")          # mesh, shardings, compiled steps
+    state = job.init()                               # sharded params, optimizer state, rng
+    state, metrics = job.train_step(state, job.batch(0))
+    ckpt = jaxpar.CheckpointManager("runs/mine")     # async, checksummed, resharding restore
+    ckpt.save(1, state); state = ckpt.restore(job.abstract_state)
+
+See docs/api.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxpar import launch
+
+# --- layouts -------------------------------------------------------------------------------------
+
+
+def preset(name_or_spec: Any = "") -> Any:
+    """A named preset (`"fsdp8"`, `"dp2_tp4"`, ...; see jaxpar.meshes.PRESETS), an unnamed
+    preset with the default rules for a mesh spec (`"data=2,tensor=4"`; `""` = all devices on
+    `data`), or a `Preset` / `MeshSpec` given as is."""
+    from jaxpar import meshes
+    from jaxpar.mesh import MeshSpec
+    from jaxpar.rules import Preset
+
+    if isinstance(name_or_spec, Preset):
+        return name_or_spec
+    if isinstance(name_or_spec, MeshSpec):
+        return Preset(name_or_spec)
+    return meshes.resolve(name_or_spec)
+
+
+def build_mesh(layout: Any = "", devices: Sequence | None = None) -> Any:
+    """The 4-D jax Mesh (data, fsdp, tensor, pipeline) of a preset name, spec, Preset or
+    MeshSpec, over `devices` (default: all global devices)."""
+    from jaxpar.mesh import make_mesh
+
+    return make_mesh(preset(layout).mesh, list(devices) if devices is not None else None)
+
+
+# --- one job: sharded state and compiled steps ---------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A config compiled for one mesh: shardings, a sharded init, a train and an eval step.
+
+    `train_step(state, batch) -> (state, metrics)` and `eval_step(state, batch) -> metrics` are
+    jitted with the state's shardings; the train step donates its input state.
+    """
+
+    cfg: Any  # TrainConfig
+    preset: Any  # Preset
+    mesh: Any  # jax.sharding.Mesh
+    source: Any  # jaxpar.data.Source
+    program: Any  # jaxpar.step.Program
+    train_step: Callable[[dict, dict], tuple[dict, dict]]
+    eval_step: Callable[[dict, dict], dict]
+
+    @property
+    def abstract_state(self) -> dict:
+        """ShapeDtypeStructs of the state carrying its target shardings (a restore target)."""
+        return self.program.abstract_state
+
+    @property
+    def state_shardings(self) -> dict:
+        return self.program.state_shardings
+
+    def init(self) -> dict:
+        """A fresh state created directly in its shardings (jit with out_shardings)."""
+        return self.program.init()
+
+    def batch(self, step: int, split: str = "train") -> dict:
+        """The global batch of `step` from the config's data source, sharded for the step
+        (each process loads only its rows; a pure function of the seed and step)."""
+        import jax
+
+        from jaxpar import data as data_lib
+
+        local = data_lib.host_batch(
+            self.source, step=step, global_batch=self.cfg.data.global_batch,
+            seed=self.cfg.data.seed, process_index=jax.process_index(),
+            process_count=jax.process_count(), split=split,
+        )  # fmt: skip
+        return data_lib.to_device(local, self.program.batch_shardings, self.cfg.data.global_batch)
+
+    def device_batch(self, host_rows: dict) -> dict:
+        """A global batch from this process's rows of your own data (numpy arrays whose first
+        dimension is global_batch / process_count), sharded for the step."""
+        from jaxpar import data as data_lib
+
+        return data_lib.to_device(host_rows, self.program.batch_shardings,
+                                  self.cfg.data.global_batch)  # fmt: skip
+
+
+def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job:
+    """Compile `cfg` for a layout (preset name, spec, Preset or MeshSpec; default `cfg.mesh`).
+
+    Nothing is allocated here: the model is built abstractly (eval_shape), its shardings come
+    from the preset's rules, and `Job.init()` creates the state already sharded.
+    """
+    import jax
+    import numpy as np
+
+    from jaxpar import data as data_lib
+    from jaxpar.mesh import make_mesh
+    from jaxpar.rules import validate_rules
+    from jaxpar.step import build_program
+    from jaxpar.trainer import make_source
+
+    layout = preset(cfg.mesh if mesh is None else mesh)
+    validate_rules(layout.params)
+    validate_rules(layout.acts)
+    m = make_mesh(layout.mesh, list(devices) if devices is not None else None)
+    source = make_source(cfg)
+    spec = data_lib.batch_spec(source, cfg.data.global_batch)
+    program = build_program(cfg, m, layout.params, layout.acts, spec, source.kind)
+    raw = program.train_step
+
+    def train_step(state, batch):
+        # The engine's step takes a fault-injection scale; a user's step never injects faults,
+        # so it is the constant 1.0 here and XLA folds it away.
+        return raw(state, batch, np.float32(1.0))
+
+    # The engine's jitted step fixes the shardings of what goes in and out.
+    step = jax.jit(train_step, donate_argnums=0)
+    if program.sync_every:  # DiLoCo: the outer synchronisation belongs to the step's contract
+        step = _with_sync(step, program)
+    return Job(cfg, layout, m, source, program, step, program.eval_step)
+
+
+def _with_sync(step: Callable, program: Any) -> Callable:
+    def train_step(state, batch):
+        state, metrics = step(state, batch)
+        if int(state["step"]) % program.sync_every == 0:
+            state = program.sync_step(state)
+        return state, metrics
+
+    return train_step
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """jaxpar's checkpoints on their own: asynchronous Orbax saves of a whole state pytree with
+    per-array checksums in `RUN_DIR/checkpoints/`, restorable onto any mesh or process count.
+
+    `config` (a TrainConfig), when given, is recorded and checked on restore: a checkpoint of
+    another model/optimizer/data config is refused unless `force=True`.
+    """
+
+    def __init__(self, run_dir: str, *, keep: int = 3, use_async: bool = True, config: Any = None):
+        import jax
+
+        from jaxpar import __version__
+        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.config import config_hash
+        from jaxpar.metrics import RunDir
+
+        meta: dict[str, Any] = {"jaxpar_version": __version__, "nproc": jax.process_count()}
+        if config is not None:
+            meta["config_hash"] = config_hash(config)
+        self.run = RunDir(run_dir, jax.process_index())
+        self._ckpt = Checkpointer(self.run, every=0, keep=keep, meta=meta, use_async=use_async)
+
+    @property
+    def directory(self) -> str:
+        return self._ckpt.directory
+
+    def save(self, step: int, state: dict) -> float:
+        """Start saving `state` as `step`; returns the seconds the caller was blocked."""
+        return self._ckpt.save(step, state)
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed."""
+        self._ckpt.wait()
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return self._ckpt.committed_steps()
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore(self, target: dict, step: int | None = None, *, force: bool = False):
+        """The newest good checkpoint (or `step`) placed onto `target`'s shardings: a pytree of
+        `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` for the mesh you restore onto, e.g.
+        `Job.abstract_state`. A damaged checkpoint is skipped for the next older one (latest
+        only). Returns the state, or None when there is no checkpoint."""
+        got = self._ckpt.restore(target, which="latest" if step is None else str(step),
+                                 force=force)  # fmt: skip
+        return None if got is None else got[0]
+
+    def reached_preemption(self, step: int) -> bool:
+        """True when a preemption notice (SIGTERM) arrived: save `step` and exit with
+        `jaxpar.EXIT_PREEMPTED` (all processes agree on the step)."""
+        return self._ckpt.reached_preemption(step)
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- the loop and the entrypoint -----------------------------------------------------------------
+
+
+def resolve_run_dir(run_dir: str | None, cfg: Any) -> str:
+    """`run_dir` if given, else JAXPAR_RUN_DIR (set by `jaxpar launch --run-dir`), else
+    runs/NAME-TIME."""
+    import time
+
+    return (
+        run_dir
+        or os.environ.get(launch.ENV_RUN_DIR)
+        or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
+
+
+def fit(
+    cfg: Any,
+    mesh: Any = None,
+    run_dir: str | None = None,
+    *,
+    faults: Sequence[str] = (),
+    progress: bool | None = None,
+) -> dict:
+    """Train `cfg` to `cfg.train.steps` with everything `python -m train` does: sharded init or
+    resharded restore of the newest good checkpoint in `run_dir`, metrics.jsonl / events.jsonl /
+    TensorBoard, periodic asynchronous saves, evaluation, progress heartbeats for `jaxpar
+    launch`, and a coordinated save on preemption (then `Preempted` is raised; `entrypoint`
+    turns it into the exit code the supervisor expects). Returns the summary dict.
+
+    `run_dir`: see `resolve_run_dir`.
+    """
+    from jaxpar import trainer
+
+    run_dir = resolve_run_dir(run_dir, cfg)
+    layout = preset(cfg.mesh if mesh is None else mesh)
+    summary = trainer.run(cfg, layout, run_dir, faults=list(faults), progress=progress)
+    summary["run_dir"] = os.path.abspath(run_dir)
+    return summary
+
+
+def run_worker(fn: Callable[[], int | None]) -> int:
+    """Run `fn` as a jaxpar worker and return its exit code (see `entrypoint`)."""
+    try:
+        return _run_worker(fn)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves on it)
+        print("jaxpar: interrupted; nothing more was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def _run_worker(fn: Callable[[], int | None]) -> int:
+    launch.configure_devices()
+    launch.initialize_from_env()
+    from jaxpar import rundir
+    from jaxpar.checkpoint import (
+        CheckpointMismatch,
+        Preempted,
+        ReplicaMismatch,
+        disk_full_path,
+        is_disk_full,
+    )
+    from jaxpar.faults import NonFiniteLoss
+    from jaxpar.trainer import NothingToDo
+
+    # guard(): any other error in a multi-process job exits at once (EXIT_COLLECTIVE for a
+    # collective error) instead of waiting in jax's shutdown barrier for a dead peer.
+    with launch.guard():
+        try:
+            return fn() or 0
+        except NothingToDo as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return 0
+        except Preempted as e:
+            if e.interrupted and not os.environ.get(launch.ENV_SUPERVISED):
+                resume = rundir.resume_command(e.run_dir) if e.run_dir else ""
+                print(f"jaxpar: {e}; resume with: {resume}", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return launch.EXIT_PREEMPTED
+        except NonFiniteLoss as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return launch.EXIT_NAN
+        except ReplicaMismatch as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return launch.EXIT_REPLICA
+        except Exception as e:
+            if is_disk_full(e):  # one line, not orbax's tracebacks; restarting cannot help
+                where = disk_full_path(e, os.environ.get(launch.ENV_RUN_DIR) or os.getcwd())
+                print(
+                    f"jaxpar: no space left on device (ENOSPC) writing {where}; free space "
+                    f"there and rerun the same command (committed checkpoints are intact)",
+                    file=sys.stderr,
+                )
+                return launch.EXIT_NO_SPACE
+            if isinstance(e, CheckpointMismatch | ValueError):  # also RunDirLocked, bad config
+                print(f"error: {e}", file=sys.stderr)
+                return launch.EXIT_USAGE
+            raise
+
+
+def entrypoint(fn: Callable[[], int | None]) -> None:
+    """Run a user's `main()` under jaxpar's supervision contract and exit the process.
+
+    Call it as the last line of your script, before anything has used a jax device:
+    simulated CPU devices when there is no accelerator (JAXPAR_DEVICES_PER_PROC under
+    `jaxpar launch`, else 8), `jax.distributed` from the environment (`jaxpar launch`, SLURM,
+    Open MPI, Kubernetes), and exit codes the supervisor acts on: 0 done, 42 preempted after a
+    save, 44 non-finite loss (roll back), 45 replicas disagree, 43 a peer is gone, 2 a usage
+    error (not restarted). Progress heartbeats and the preemption save come from `fit`.
+    """
+    sys.exit(run_worker(fn))

@@ -1,0 +1,103 @@
+"""The model contract: what jaxpar needs from a model config, its model, a loss and an optimizer.
+
+Typed protocols, checked with `isinstance`, instead of probing attributes. docs/model_contract.md
+explains them with examples.
+
+Required of a model config (a frozen dataclass of yours, `TrainConfig.model`):
+
+    build(rngs: nnx.Rngs) -> nnx.Module        # called under eval_shape and jit: never eagerly
+
+Optional, each its own protocol:
+
+    flops_per_token() -> float       # language models: MFU by the 6*N*T formula (+ attention)
+    flops_per_example() -> float     # other models
+    num_params() -> int              # reported by benchmarks
+    NOT_HASHED: tuple[str, ...]      # fields that change memory/speed, not values (e.g. remat):
+                                     # left out of the checkpoint's config hash
+and of the built model, for pipeline parallelism (`pipeline` mesh axis > 1):
+
+    pipeline_parts() -> (embed, blocks, head)   # see jaxpar/pipeline.py
+
+A loss (`TrainConfig.loss`; None = the built-in task of the data source: causal LM or
+classification cross-entropy, with accuracy for classification):
+
+    loss(model, batch, rngs) -> (scalar loss, {name: scalar metric})
+
+`model` is the merged nnx.Module in training mode, `batch` the global batch dict, `rngs` an
+nnx.Rngs whose streams (e.g. `dropout`) are keyed by (train.seed, step): a resumed run draws the
+same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import jax
+    from flax import nnx
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """Required: builds the model (its parameters annotated with logical axis names)."""
+
+    def build(self, rngs: nnx.Rngs) -> nnx.Module: ...
+
+
+@runtime_checkable
+class FlopsPerToken(Protocol):
+    def flops_per_token(self) -> float: ...
+
+
+@runtime_checkable
+class FlopsPerExample(Protocol):
+    def flops_per_example(self) -> float: ...
+
+
+@runtime_checkable
+class CountsParams(Protocol):
+    def num_params(self) -> int: ...
+
+
+@runtime_checkable
+class HashExclusions(Protocol):
+    NOT_HASHED: ClassVar[tuple[str, ...]]
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    """A built model that can be split into pipeline stages."""
+
+    def pipeline_parts(self) -> tuple[Callable, nnx.Module, Callable]: ...
+
+
+LossFn = Callable[["nnx.Module", dict, "nnx.Rngs"], tuple["jax.Array", dict]]
+
+
+def check_model_config(model_cfg: Any) -> None:
+    """ValueError naming the fix when `model_cfg` does not provide `build(rngs)`."""
+    if not isinstance(model_cfg, ModelConfig):
+        raise ValueError(
+            f"TrainConfig.model is a {type(model_cfg).__name__}, which has no build(rngs) method; "
+            f"give a model config (e.g. a frozen dataclass) with build(rngs) -> nnx.Module "
+            f"(docs/model_contract.md)"
+        )
+
+
+def not_hashed(model_cfg: Any) -> tuple[str, ...]:
+    """Model config fields left out of the config hash."""
+    return tuple(model_cfg.NOT_HASHED) if isinstance(model_cfg, HashExclusions) else ()
+
+
+def flops_per_step(model_cfg: Any, kind: str, global_batch: int, seq_len: int) -> float | None:
+    """Model FLOPs of one optimizer step, where the model config says (else None)."""
+    if kind == "lm" and isinstance(model_cfg, FlopsPerToken):
+        return model_cfg.flops_per_token() * global_batch * seq_len
+    if isinstance(model_cfg, FlopsPerExample):
+        return model_cfg.flops_per_example() * global_batch
+    return None
+
+
+def num_params(model_cfg: Any) -> int | None:
+    return model_cfg.num_params() if isinstance(model_cfg, CountsParams) else None

@@ -1,0 +1,21 @@
+"""Which packages the jaxpar distribution installs (the rest of the metadata is pyproject.toml).
+
+The repository's user-side folders are installed inside the `jaxpar` package, not as top-level
+packages: `models/` -> `jaxpar.models`, `meshes/` -> `jaxpar.meshes`, `train/` -> `jaxpar.train`.
+Top-level names as generic as `train` or `models` would collide with other projects' packages
+in site-packages. In a source checkout, jaxpar/_layout.py serves the same names from the folders.
+"""
+
+from setuptools import find_packages, setup
+
+MAPPED = {"jaxpar.models": "models", "jaxpar.meshes": "meshes", "jaxpar.train": "train"}
+
+
+def packages() -> list[str]:
+    found = find_packages(include=["jaxpar", "jaxpar.*"])
+    for package, folder in MAPPED.items():
+        found += [package, *(f"{package}.{sub}" for sub in find_packages(folder))]
+    return found
+
+
+setup(packages=packages(), package_dir=MAPPED)

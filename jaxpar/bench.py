@@ -153,9 +153,10 @@ EXTERNAL = {
     "pipeline": "jaxpar.bench_pipeline:run",
     "comm": "jaxpar.bench_comm:run",
     "precision": "jaxpar.bench_precision:run",
+    "data": "jaxpar.bench_data:run",
 }
 # External suites that measure the recipe given with --recipe / --set.
-TAKES_RECIPE = ("precision",)
+TAKES_RECIPE = ("precision", "data")
 SUITES = ("overhead", "meshes", *EXTERNAL)
 
 

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import PipelineConfig, TrainConfig, resolve_recipe
 from jaxpar.mesh import MeshSpec
-from jaxpar.pipeline import Schedule
+from jaxpar.parallel.pipeline import Schedule
 from jaxpar.rules import Preset
 from jaxpar.trainer import compile_step, device_batch, setup
 

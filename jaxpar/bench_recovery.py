@@ -5,11 +5,13 @@
 Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices, real SIGKILLs:
 
 1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
-   faults, each restarting the group from the newest checkpoint; the goodput ledger splits each
-   incident into detect / stop / restart / init / restore / compile / first step (docs/design.md,
-   "Recovery time"). Run side by side in one benchmark: jaxpar's restart path (pre-started spare
-   workers + each process's compiled programs kept in the run directory) and a cold restart
-   (`--no-spares`, `--set run.compile_cache=false`). Medians over the incidents, and their ratio.
+   faults, each restarting the group; the goodput ledger splits each incident into detect /
+   stop / restart / init / restore / compile / first step (docs/design.md, "Recovery time"), and
+   the steps lost per failure are the steps logged before it minus the step restored. Three
+   restart paths side by side in one benchmark: `local` (pre-started spare workers, compiled
+   programs kept in the run directory, restore from the local snapshot tier taken every step),
+   `persistent` (the same, restoring from the persistent checkpoint: `ckpt.local_every=0`) and
+   `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier). Medians over incidents.
 2. Goodput under failures every T seconds: the same job for a fixed wall time while the
    benchmark SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then
    stops it with SIGTERM (the preemption path: save and exit). Goodput = productive step time /
@@ -44,7 +46,11 @@ PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s",
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
 FULL = {"kills": (8, 14, 20, 26), "steps": 30, "every": 5, "periods": (30.0, 60.0), "cycles": 4}
 QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1}
-MODES = {"jaxpar": ([], []), "cold": (["--no-spares"], ["run.compile_cache=false"])}
+MODES = {
+    "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
+    "persistent": ([], ["ckpt.local_every=0"]),
+    "local": ([], ["ckpt.local_every=1"]),
+}
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
@@ -134,6 +140,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     incidents = ledger_of(run_dir)
     events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
     restarted = [e for e in events if e.get("incarnation", 0) > 0]
+    lost = _lost_steps(run_dir, events)
     out = {
         "mode": mode,
         "exit_code": code,
@@ -143,9 +150,26 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
+        "restore_tiers": [e.get("tier") for e in restarted if e.get("event") == W.RESTORE],
+        "lost_steps": _median(lost),
+        "lost_steps_each": lost,
     }
     for phase in PHASES:
         out[phase] = _median([i[phase] for i in incidents])
+    return out
+
+
+def _lost_steps(run_dir: str, events: list[dict]) -> list[int]:
+    """Per restart: the newest step logged by the failed incarnation minus the step restored."""
+    newest: dict[int, int] = {}
+    for m in read_jsonl(os.path.join(run_dir, runlog.METRICS)):
+        if "loss" in m:
+            inc = m.get("incarnation", 0)
+            newest[inc] = max(newest.get(inc, 0), int(m["step"]))
+    out = []
+    for e in events:
+        if e.get("event") == W.RESTORE and e.get("incarnation", 0) > 0:
+            out.append(newest.get(e["incarnation"] - 1, 0) - int(e["step"]))
     return out
 
 
@@ -203,12 +227,12 @@ def _table(rec: list[dict], good: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.1f}"
 
-    lines = ["| restart path | incidents | recovery s (median) | "
+    lines = ["| restart path | incidents | recovery s (median) | steps lost | "
              + " | ".join(p.removesuffix("_s") for p in PHASES) + " |",
-             "|---|---:|---:|" + "---:|" * len(PHASES)]  # fmt: skip
+             "|---|---:|---:|---:|" + "---:|" * len(PHASES)]  # fmt: skip
     for r in rec:
         lines.append(f"| {r['mode']} | {r['incidents']} | {f(r['recovery_s'])} | "
-                     + " | ".join(f(r[p]) for p in PHASES) + " |")  # fmt: skip
+                     f"{f(r['lost_steps'])} | " + " | ".join(f(r[p]) for p in PHASES) + " |")  # fmt: skip
     lines += ["", "| failure every | kills | wall s | goodput | goodput after first start | mttr s |",
               "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for g in good:
@@ -223,11 +247,11 @@ def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_
     overrides = list(overrides or []) + (SMALL if quick else [])
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
-        rec = [measure_recovery(m, recipe, p, overrides, root) for m in ("cold", "jaxpar")]
+        rec = [measure_recovery(m, recipe, p, overrides, root) for m in MODES]
         good = [measure_goodput(t, p["cycles"], recipe, overrides, root) for t in p["periods"]]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    cold, fast = rec
+    cold, _, fast = rec
     ratio = (
         (cold["recovery_s"] / fast["recovery_s"])
         if cold["recovery_s"] and fast["recovery_s"]
@@ -242,13 +266,13 @@ def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_
         "devices_per_proc": DEVICES,
         "recovery": rec,
         "recovery_s": fast["recovery_s"],
-        "cold_over_jaxpar": ratio,
+        "cold_over_local": ratio,
         "goodput": good,
     }
     print(_table(rec, good))
     if ratio:
-        print(f"\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache, "
-              f"{cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
+        print(f"\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache + local "
+              f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "recovery.json"), "w") as f:
         json.dump(result, f, indent=2)

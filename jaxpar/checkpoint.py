@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar import compile_cache, runlog
 from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
+from jaxpar.mesh import REPLICA_AXES
 from jaxpar.metrics import RunDir, write_json
 from jaxpar.runlog import W
 
@@ -270,20 +271,24 @@ def checksums(state) -> dict[str, int]:
 
 
 def replica_mismatches(tree, mesh: jax.sharding.Mesh) -> list[str]:
-    """Paths of arrays (parameters, or the whole state) whose replicas differ across the `data`
-    axis, from per-device block hashes."""
-    if mesh.shape["data"] == 1:
+    """Paths of arrays (parameters, or the whole state) whose replicas differ across the replica
+    axes (`data`, jaxpar.mesh.REPLICA_AXES), from per-device block hashes."""
+    axes = [a for a in REPLICA_AXES if mesh.shape[a] > 1]
+    if not axes:
         return []
     hashes = _hashes(tree)
     blocks = hashes.get()
-    axis = list(mesh.axis_names).index("data")
     bad = []
     for j, (path, spec) in enumerate(zip(hashes.paths, hashes.specs, strict=True)):
-        if "data" in {a for e in spec for a in _axes_of(e)}:
-            continue  # sharded over data: its blocks differ by design
+        sharded = {a for e in spec for a in _axes_of(e)}
         col = blocks[..., j]
-        if not np.all(col == np.take(col, [0], axis=axis)):
-            bad.append(path)
+        for ax in axes:
+            if ax in sharded:
+                continue  # sharded over the axis: its blocks differ by design
+            axis = list(mesh.axis_names).index(ax)
+            if not np.all(col == np.take(col, [0], axis=axis)):
+                bad.append(path)
+                break
     return bad
 
 

@@ -438,7 +438,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )  # fmt: skip
     ben.add_argument(
         "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision "
-        "(--quick: about a minute each on a CPU; full: minutes, recovery and pipeline longer)"
+        "| data (--quick: about a minute each on a CPU; full: minutes, recovery and pipeline "
+        "longer)"
     )  # fmt: skip
     ben.add_argument("--recipe", default="gpt_tiny", help="(default: gpt_tiny)")
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json "

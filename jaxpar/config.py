@@ -70,6 +70,10 @@ class CkptConfig:
     restore: str = "latest"  # latest | none | STEP
     use_async: bool = True
     force: bool = False  # restore even if the model/optimizer/data config differs
+    # local snapshot tier (jaxpar/snapshot.py): every N steps to node-local RAM; -1 = by state
+    # size (1 up to 256 MiB per process), 0 = off
+    local_every: int = -1
+    local_dir: str = ""  # "" = $JAXPAR_LOCAL_DIR, else /dev/shm/jaxpar-<uid>
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """Gradient communication over the data axis (see jaxpar/collectives.py, jaxpar/diloco.py)."""
+    """Gradient communication over the data axis (see jaxpar/parallel/compressed.py, diloco.py)."""
 
     compress: str = "none"  # none | bf16 | int8 (with error feedback)
     diloco_inner_steps: int = 0  # H > 0: DiLoCo / local SGD, replicas sync every H steps
@@ -437,8 +441,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for rule in cfg.rules:
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(
-                f"rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. "
-                f'[["mlp", "tensor"]]'
+                f'rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. [["mlp", "tensor"]]'
             )
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():

@@ -16,7 +16,7 @@ Optional, each its own protocol:
                                      # left out of the checkpoint's config hash
 and of the built model, for pipeline parallelism (`pipeline` mesh axis > 1):
 
-    pipeline_parts() -> (embed, blocks, head)   # see jaxpar/pipeline.py
+    pipeline_parts() -> (embed, blocks, head)   # see jaxpar/parallel/pipeline.py
 
 A loss (`TrainConfig.loss`; None = the built-in task of the data source: causal LM or
 classification cross-entropy, with accuracy for classification):

@@ -400,8 +400,9 @@ def source_label(source: Any) -> str:
 
 def _import(name: str) -> Any:
     mod_name, _, attr = name.partition(":")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # a user's module beside the checkout, like recipes
+    from jaxpar.config import search_current_directory
+
+    search_current_directory()  # a user's module in the current directory, like recipes
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:

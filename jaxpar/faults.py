@@ -10,18 +10,26 @@ Specs (`--fault SPEC`, repeatable; `JAXPAR_FAULTS` carries the same specs `;`-se
     killsave@S                       SIGKILL after the step-S checkpoint wrote its arrays, before commit
     corrupt@S                        flips a byte inside an array file of the newest committed checkpoint
     slow@S:process=P:seconds=X       every step from S sleeps X seconds
+    killsnap@S[:process=P]           SIGKILL after the local snapshot of step S wrote its data,
+                                     before its commit marker (a torn snapshot)
+    losthost@S:node=N                node N is lost: its local snapshot tier is deleted, its agent
+                                     (`jaxpar launch`), workers and itself are SIGKILLed
 
 `@S` fires when the process is about to start step S (steps < S are complete and logged). A spec
 fires once per run directory (its `fault_injected` event is the record); `:repeat` fires in
 every incarnation. `process=P` (default 0) is the process index in the incarnation that fires.
 `nan` poisons the step on every process (the process P logs it); `killsave` fires in orbax's
 commit hook, which runs on process 0; `corrupt` first waits for an in-flight save to commit.
+`losthost` fires in the lowest-numbered process of node N (nodes as the local tier counts them:
+jaxpar/snapshot_peer.py); its workers die with their agent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -36,7 +44,10 @@ from jaxpar.launch import EXIT_NAN as EXIT_NAN  # the exit after a non-finite lo
 from jaxpar.metrics import RunDir
 from jaxpar.runlog import W
 
-KINDS = ("kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow")
+KINDS = (
+    "kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow", "killsnap",
+    "losthost",
+)  # fmt: skip
 
 
 class NonFiniteLoss(RuntimeError):
@@ -55,6 +66,7 @@ class FaultSpec:
     permanent: bool = False
     repeat: bool = False
     seconds: float = 0.0
+    node: int | None = None
     text: str = ""
 
     @classmethod
@@ -76,12 +88,16 @@ class FaultSpec:
                 fields["process"] = int(val)
             elif key == "seconds" and eq and kind == "slow":
                 fields["seconds"] = _seconds(text, val)
+            elif key == "node" and val.isdigit():
+                fields["node"] = int(val)
             else:
                 raise ValueError(f"bad fault spec {text!r}: unknown option {opt!r}; {usage}")
         if fields.get("permanent") and kind != "kill":
             raise ValueError(f"bad fault spec {text!r}: only kill takes :permanent")
         if kind == "slow" and fields.get("seconds", 0) <= 0:
             raise ValueError(f"bad fault spec {text!r}: slow needs :seconds=X (X > 0)")
+        if (kind == "losthost") != ("node" in fields):
+            raise ValueError(f"bad fault spec {text!r}: node=N goes with losthost (and only it)")
         return cls(**fields)
 
 
@@ -132,11 +148,15 @@ class Faults:
         self.specs = [
             s
             for s in specs
-            if (s.process == process_index or s.kind == "nan") and (s.repeat or s.text not in fired)
+            if (s.process == process_index or s.kind in ("nan", "losthost"))
+            and (s.repeat or s.text not in fired)
         ]
         self.process = process_index
         self.fired: list[str] = []  # specs this process injected in this incarnation
         self._slow: float = 0.0
+        # Set by the loop once the local tier has met the other processes: (this process's
+        # node, the processes of each node, this node's local tier directory).
+        self.node: tuple[int, list[list[int]], str] | None = None
         # Set by the loop's checkpointer: waits for an in-flight save (so `corrupt` sees it).
         self.wait_for_saves: Callable[[], None] | None = None
 
@@ -169,6 +189,7 @@ class Faults:
         if self._take("sigterm", at):
             os.kill(os.getpid(), signal.SIGTERM)
             _await_preemption_notice()
+        self._maybe_lose_host(at)
         if any(s.kind == "corrupt" and s.step == at for s in self.specs):
             if self.wait_for_saves is not None:
                 self.wait_for_saves()  # the newest checkpoint is the committed one
@@ -184,10 +205,40 @@ class Faults:
             return params
         return perturb_local_replicas(params)
 
+    def _maybe_lose_host(self, at: int) -> None:
+        node, nodes, tier_dir = self.node or (0, [[self.process]], None)
+        spec = next((s for s in self.specs if s.kind == "losthost" and s.step == at), None)
+        if spec is None or spec.node != node or self.process != min(nodes[node]):
+            return
+        self.specs.remove(spec)
+        self.run.event(W.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
+                       process=self.process, step=at, node=node)  # fmt: skip
+        lose_host(tier_dir)
+
+    def before_snapshot(self, step: int) -> None:
+        """The local tier's hook: snapshot `step` written, its commit marker not yet."""
+        if self._take("killsnap", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def before_commit(self, step: int) -> None:
         """Orbax's commit hook for the save of `step`: arrays written, not yet committed."""
         if self._take("killsave", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lose_host(tier_dir: str | None) -> None:
+    """What losing this host does to a job: its RAM (the local tier) is gone, and so are its
+    agent and every worker on it (they die with the agent: PR_SET_PDEATHSIG)."""
+    if tier_dir:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+    agent = os.environ.get("JAXPAR_SUPERVISOR_PID")
+    if agent and agent.isdigit() and int(agent) != os.getpid():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(int(agent), signal.SIGKILL)
+        time.sleep(0.5)  # the siblings' writers may still have been mid-write
+        if tier_dir:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def perturb_local_replicas(params: dict) -> dict:

@@ -9,8 +9,9 @@ import math
 
 import jax
 
-from jaxpar import collectives, pipeline
+from jaxpar import collectives
 from jaxpar.config import TrainConfig
+from jaxpar.parallel import pipeline
 from jaxpar.rules import Preset
 from jaxpar.trainer import compile_step, setup
 

@@ -1,27 +1,71 @@
-"""Device meshes: parse a mesh spec ("data=2,fsdp=2,tensor=2") and build the 4-D jax Mesh.
+"""Device meshes: the mesh axes, mesh specs ("data=2,fsdp=2,tensor=2") and the jax Mesh.
 
-Every mesh jaxpar builds has the four axes (data, fsdp, tensor, pipeline), with size 1 for the
-strategies not in use, so one rules table serves every layout and only the mesh shape changes.
+Every mesh jaxpar builds has all the axes of `AXIS_INFO` (data, fsdp, tensor, pipeline), with size
+1 for the strategies not in use, so one rules table serves every layout and only the mesh shape
+changes. `AXIS_INFO` is the one place the axes are declared: their order, what each is for and
+the facts other modules derive from it (which axes split the batch, which hold replicas, which
+processes are laid along). This module imports jax only where a Mesh is built, so the
+supervisor can use the specs and facts without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
 
-AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline")
+
+@dataclass(frozen=True)
+class AxisInfo:
+    """What jaxpar knows about one mesh axis."""
+
+    name: str
+    splits_batch: bool  # the global batch is split over it (rows per device shrink with it)
+    replicas: bool  # the same parameters are held by every position (the replica check)
+    hosts: bool  # multi-process meshes lay processes along it (in AXIS_INFO order)
+    doc: str
+
+
+AXIS_INFO: tuple[AxisInfo, ...] = (
+    AxisInfo("data", True, True, True, "data-parallel replicas (gradients all-reduced)"),
+    AxisInfo("fsdp", True, False, True, "ZeRO-3: parameters and optimizer state sharded"),
+    AxisInfo("tensor", False, False, False, "Megatron tensor parallelism inside a layer"),
+    AxisInfo("pipeline", False, False, False, "pipeline stages over stacked layers"),
+)
+AXES: tuple[str, ...] = tuple(a.name for a in AXIS_INFO)
 # Axes over which the batch is split (data parallelism, incl. ZeRO-3 sharding over fsdp).
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+BATCH_AXES: tuple[str, ...] = tuple(a.name for a in AXIS_INFO if a.splits_batch)
+# Axes whose positions hold identical parameters (compared by the replica check).
+REPLICA_AXES: tuple[str, ...] = tuple(a.name for a in AXIS_INFO if a.replicas)
+# Axes that processes are laid along, outermost first (cross-host links carry only their traffic).
+HOST_AXES: tuple[str, ...] = tuple(a.name for a in AXIS_INFO if a.hosts)
+# The axis of data-parallel replicas: manual in the data-parallel strategies (jaxpar.parallel).
+DATA = "data"
+
+
+def batch_ways(sizes: dict[str, int]) -> int:
+    """Ways the global batch is split for axis sizes `sizes` (absent axes count as 1)."""
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+    """ "data=2,fsdp=1,..." for the axes present in `sizes`, in mesh order (MeshSpec.parse's form)."""
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the four mesh axes; at most one may be -1 ("the rest of the devices")."""
+    """Sizes of the mesh axes; at most one may be -1 ("the rest of the devices").
+
+    Its fields are the axes of AXIS_INFO, in order (checked at import).
+    """
 
     data: int = -1
     fsdp: int = 1
@@ -97,20 +141,28 @@ class MeshSpec:
         return tuple(self.sizes().values())
 
     def __str__(self) -> str:
-        return ",".join(f"{a}={v}" for a, v in self.sizes().items())
+        return mesh_text(self.sizes())
+
+
+if tuple(f.name for f in dataclasses.fields(MeshSpec)) != AXES:
+    raise AssertionError(f"MeshSpec's fields must be the mesh axes {AXES}, in order")
 
 
 def batch_parallel_size(mesh: Mesh) -> int:
     """Number of ways the global batch is split (data x fsdp)."""
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return batch_ways(dict(mesh.shape))
 
 
 def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the 4-D (data, fsdp, tensor, pipeline) mesh with Auto axis types.
+    """Build the (data, fsdp, tensor, pipeline) mesh with Auto axis types.
 
-    Multi-process: processes are laid out along the batch axes (data first, then fsdp), so the
+    Multi-process: processes are laid out along HOST_AXES (data first, then fsdp), so the
     slow cross-host links (DCN) carry only the data-parallel gradient reduction.
     """
+    import jax  # noqa: PLC0415 - the specs and axis facts above need no jax
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import AxisType, Mesh  # noqa: PLC0415
+
     if isinstance(spec, str):
         spec = MeshSpec.parse(spec)
     devices = list(jax.devices() if devices is None else devices)
@@ -124,17 +176,23 @@ def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None)
 
 
 def _hybrid_devices(spec: MeshSpec, devices: Sequence[jax.Device], nproc: int) -> np.ndarray:
-    """Device array for a multi-process mesh: processes split the data axis, then fsdp."""
-    dcn_data = math.gcd(spec.data, nproc)
-    dcn_fsdp = nproc // dcn_data
-    if spec.fsdp % dcn_fsdp:
+    """Device array for a multi-process mesh: processes split HOST_AXES in order (data, then
+    fsdp): each takes the largest share of the remaining processes that divides it."""
+    import numpy as np  # noqa: PLC0415
+
+    sizes, left = spec.sizes(), nproc
+    dcn_sizes = dict.fromkeys(AXES, 1)
+    for a in HOST_AXES:
+        dcn_sizes[a] = math.gcd(sizes[a], left)
+        left //= dcn_sizes[a]
+    if left != 1:
+        axes = " x ".join(f"{a}={sizes[a]}" for a in HOST_AXES)
         raise ValueError(
-            f"mesh {spec} over {nproc} processes: the batch axes data={spec.data} x "
-            f"fsdp={spec.fsdp} cannot be split across {nproc} processes; make data (or "
-            f"data x fsdp) a multiple of the process count"
+            f"mesh {spec} over {nproc} processes: the batch axes {axes} cannot be split across "
+            f"{nproc} processes; make data (or data x fsdp) a multiple of the process count"
         )
-    dcn = (dcn_data, dcn_fsdp, 1, 1)
-    ici = (spec.data // dcn_data, spec.fsdp // dcn_fsdp, spec.tensor, spec.pipeline)
+    dcn = tuple(dcn_sizes[a] for a in AXES)
+    ici = tuple(sizes[a] // dcn_sizes[a] for a in AXES)
     by_proc: dict[int, list[jax.Device]] = {}
     for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
         by_proc.setdefault(d.process_index, []).append(d)

@@ -250,12 +250,14 @@ def prepare(
     os.makedirs(out, exist_ok=True)
     bar = _Bar(sum(len(t.encode("utf-8")) for t in train + val), progress)
     shards, counts = {}, {}
+    t_encode = time.time()
     for name, texts in (("train", train), ("val", val)):
         writer = _ShardWriter(out, name, dtype, shard_tokens)
         try:
             counts[name] = _encode(tok, texts, writer, eot, bar)
         finally:
             shards[name] = writer.close()
+    encode_seconds = time.time() - t_encode
     tok.save(os.path.join(out, "tokenizer.json"))
     meta = {
         "format": FORMAT, "version": VERSION, "dtype": dtype.name, "byte_order": "little",
@@ -263,7 +265,7 @@ def prepare(
         "tokenizer": "tokenizer.json", "val_fraction": val_fraction,
         "sources": [{"path": d.path, "bytes": d.nbytes, "sha256": d.sha256} for d in docs],
         "skipped": skipped, "input_bytes": sum(d.nbytes for d in docs),
-        "seconds": time.time() - t0,
+        "seconds": time.time() - t0, "encode_seconds": encode_seconds,
     }  # fmt: skip
     tmp = os.path.join(out, f"{META}.tmp")
     with open(tmp, "w") as f:

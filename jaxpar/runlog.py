@@ -70,11 +70,20 @@ class WorkerEvent:
     NO_GOOD_CHECKPOINT = "no_good_checkpoint"
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"
     FAULT_INJECTED = "fault_injected"  # kind, spec, process, step
+    # the local snapshot tier (jaxpar/snapshot.py); `restore` says its `tier`
+    LOCAL_TIER = "local_tier"  # every, bytes_per_process, dir, peer
+    LOCAL_TIER_STATS = "local_tier_stats"  # snapshots, wait_s, write_s, max_held (per process)
+    SNAPSHOT_REJECTED = "snapshot_rejected"  # a snapshot not used (step, reason or processes)
+    SNAPSHOT_TORN = "snapshot_torn"  # a slot with data and no commit marker (killed mid-write)
+    SNAPSHOT_ERROR = "snapshot_error"  # the writer failed: the tier is off for this incarnation
+    PEER_REPLICATION_FAILED = "peer_replication_failed"
 
     ALL = frozenset(
         {START, RESTORE, RESTORE_FORCED, COMPILED, DONE, PREEMPTED, WALL_TIME_LIMIT, NONFINITE,
          REPLICA_MISMATCH, COMM_STATE_RESET, SAVE_BEGIN, SAVE_END, CHECKPOINT_REPLACED,
-         UNCOMMITTED_IGNORED, NO_GOOD_CHECKPOINT, CHECKPOINT_CORRUPT, FAULT_INJECTED}
+         UNCOMMITTED_IGNORED, NO_GOOD_CHECKPOINT, CHECKPOINT_CORRUPT, FAULT_INJECTED, LOCAL_TIER,
+         LOCAL_TIER_STATS, SNAPSHOT_REJECTED, SNAPSHOT_TORN, SNAPSHOT_ERROR,
+         PEER_REPLICATION_FAILED}
     )  # fmt: skip
 
 
@@ -104,7 +113,7 @@ class SupervisorEvent:
 W, S = WorkerEvent, SupervisorEvent
 
 # Injected faults that end an incarnation (slow, diverge and corrupt do not, by themselves).
-ENDING_FAULTS = ("kill", "hang", "sigterm", "nan", "killsave")
+ENDING_FAULTS = ("kill", "hang", "sigterm", "nan", "killsave", "killsnap", "losthost")
 
 # ---- writers and readers --------------------------------------------------------------------
 

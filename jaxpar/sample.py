@@ -142,11 +142,15 @@ def sample(
     cfg, params, _ = trained.load_run(run_dir)
     codec = run_codec(cfg, tokenizer)
     model = trained.build_model(cfg, params)
-    context = model.cfg.seq_len
-    if codec.vocab_size > model.cfg.vocab_size:
+    context, vocab = getattr(cfg.model, "seq_len", None), getattr(cfg.model, "vocab_size", None)
+    if context is None or vocab is None:
         raise ValueError(
-            f"the tokenizer has {codec.vocab_size} tokens but the model only "
-            f"{model.cfg.vocab_size}; use the tokenizer the run trained with"
+            f"{type(cfg.model).__name__} is not a language model (seq_len, vocab_size)"
+        )
+    if codec.vocab_size > vocab:
+        raise ValueError(
+            f"the tokenizer has {codec.vocab_size} tokens but the model only {vocab}; use the "
+            "tokenizer the run trained with"
         )
     ids = codec.encode(prompt)
     if not ids:

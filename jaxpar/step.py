@@ -1,8 +1,12 @@
-"""The sharded train and eval steps: state shardings from the rules, donation, grad accumulation.
+"""The sharded train and eval steps: state shardings from the rules, donation, the Program.
+
+One path for every layout: abstract model -> parameter shardings (rules) -> optimizer -> the
+strategy that jaxpar/parallel/plan.py picks for the config and mesh -> init, train, eval (and
+sync) steps, jitted with explicit shardings.
 
 The training state is a plain pytree, so checkpoints and shardings need nothing model-specific:
 
-    {"step": int32[], "params": {...}, "opt": optax state, "rng": uint32[2]}
+    {"step": int32[], "params": {...}, "opt": optax state, "rng": uint32[2], ...strategy's}
 
 `params` is the model's nnx.Param state as a pure dict; `opt` mirrors it (Adam moments shard
 like their parameters). The model graph is rebuilt inside the traced step with `nnx.merge`.
@@ -22,10 +26,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import pipeline
-from jaxpar.collectives import COMPRESS, compressed_mean
 from jaxpar.config import OptimConfig, TrainConfig
 from jaxpar.mesh import BATCH_AXES, batch_parallel_size
+from jaxpar.parallel import plan
+from jaxpar.parallel.base import Context, merge
 from jaxpar.precision import FP32, Policy, policy
 from jaxpar.rules import Rules, activation_rules, logical_to_spec, named_sharding
 
@@ -77,19 +81,15 @@ class Program:
     eval_step: Callable[[dict, dict], dict]
     schedule: Callable
     task: str
-    # DiLoCo / local SGD (jaxpar/diloco.py): state -> state, run after every `sync_every` steps
+    # DiLoCo / local SGD (jaxpar/parallel/diloco.py): state -> state, run after every
+    # `sync_every` steps
     sync_step: Callable[[dict], dict] | None = None
     sync_every: int = 0
+    strategy: str = "spmd"  # the jaxpar.parallel strategy (plan.STRATEGIES)
 
 
 def _pure(state: nnx.State) -> dict:
     return nnx.to_pure_dict(state)
-
-
-def _to_state(template: nnx.State, pure: dict) -> nnx.State:
-    state = jax.tree.map(lambda x: x, template)  # rebuild the Variables: never mutate the template
-    nnx.replace_by_pure_dict(state, pure)
-    return state
 
 
 def param_logical_axes(param_template: nnx.State) -> dict:
@@ -149,122 +149,70 @@ def _loss(task: str, model: Any, batch: dict, key: jax.Array | None) -> tuple[ja
     return loss, {"accuracy": accuracy}
 
 
-def _split_microbatches(batch: dict, m: int) -> dict:
-    # Microbatch i takes every m-th row, so each device keeps an equal share of every microbatch
-    # (rows are sharded in contiguous blocks): no data moves between devices.
-    def split(x):
-        return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-    return jax.tree.map(split, batch)
-
-
-def _accumulate(value_and_grad: Callable, params: dict, batch: dict, key, m: int):
-    """Mean loss, aux and gradients over m microbatches (a scan: one microbatch live at a time)."""
-    if m == 1:
-        (loss, aux), grads = value_and_grad(params, batch, key)
-        return loss, aux, grads
-    mbs = _split_microbatches(batch, m)
-
-    def body(carry, i):
-        mb = jax.tree.map(lambda x: x[i], mbs)
-        (loss, aux), grads = value_and_grad(params, mb, jax.random.fold_in(key, i))
-        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
-
-    (loss, aux), g0 = jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], mbs), key)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, g0))
-    total, _ = jax.lax.scan(body, zeros, jnp.arange(m))
-    return jax.tree.map(lambda x: x / m, total)
-
-
-def uses_manual_data(mesh: Mesh, microbatches: int) -> bool:
-    """Accumulate inside a shard_map manual over `data`, reducing gradients once per step.
-
-    A plain scan all-reduces every microbatch. XLA CPU aborts on a shard_map manual over `data`
-    with both fsdp and tensor automatic, so that combination keeps the plain scan.
-    """
-    both_auto = mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1
-    return microbatches > 1 and mesh.shape["data"] > 1 and not both_auto
-
-
 def build_program(
     cfg: TrainConfig, mesh: Mesh, param_rules: Rules, act_rules: Rules, batch_spec: dict, task: str
 ) -> Program:
-    """Compile-ready init, train and eval steps for `cfg` on `mesh` (nothing is allocated here)."""
-    if cfg.comm.diloco_inner_steps > 0:
-        from jaxpar import diloco  # noqa: PLC0415 - diloco builds on this module
+    """Compile-ready init, train, eval (and sync) steps for `cfg` on `mesh`; nothing is allocated.
 
-        return diloco.build_program(cfg, mesh, param_rules, act_rules, batch_spec, task)
+    The strategy (jaxpar/parallel/plan.py) decides how gradients are computed and applied; this
+    function is the same for all of them.
+    """
+    strategy_cls = plan.choose(cfg, mesh)
+    m = cfg.train.microbatches
+    check_batch(cfg.data.global_batch, m, mesh)
     seed = cfg.train.seed
     graphdef, template = abstract_model(cfg)
     prec = policy(cfg.precision)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     replicated = NamedSharding(mesh, PartitionSpec())
-    p_sh = param_shardings(template, param_rules, mesh)
-    abs_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), _pure(template))
-    abs_opt = jax.eval_shape(tx.init, abs_params)
-    o_sh = optax.tree_map_params(
-        tx, lambda _, s: s, abs_opt, p_sh, transform_non_params=lambda _: replicated
-    )
-    state_sh = {"step": replicated, "params": p_sh, "opt": o_sh, "rng": replicated}
-    compress = compression(cfg, mesh)
-    if compress:  # per-replica error-feedback residuals: [data, *param shape]
-        state_sh["comm"] = jax.tree.map(
-            lambda sh: NamedSharding(mesh, PartitionSpec("data", *sh.spec)), p_sh
-        )
+    ctx = Context(
+        cfg=cfg, mesh=mesh, act_rules=act_rules, graphdef=graphdef, template=template, prec=prec,
+        tx=tx, schedule=schedule, task=task,
+        value_and_grad=make_value_and_grad(graphdef, template, task, prec),
+        param_shardings=param_shardings(template, param_rules, mesh),
+        abstract_params=jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), _pure(template)
+        ),
+    )  # fmt: skip
+    strategy = strategy_cls(ctx)
+    state_sh = {
+        "step": replicated, "params": ctx.param_shardings, "rng": replicated,
+        **strategy.state_shardings(),
+    }  # fmt: skip
     b_sh = batch_shardings(batch_spec, act_rules, mesh)
-    m = cfg.train.microbatches
-    check_batch(cfg.data.global_batch, m, mesh)
 
     def init():
         model = cfg.model.build(nnx.Rngs(params=seed))
         params = _pure(nnx.state(model, nnx.Param))
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0x5EED))
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng}
-        state["opt"] = tx.init(params)
-        if compress:
-            n = mesh.shape["data"]
-            state["comm"] = jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), params)
-        return state
-
-    value_and_grad = make_value_and_grad(graphdef, template, task, prec)
-    grads_fn = (
-        _manual_data_grads(value_and_grad, mesh, act_rules, m)
-        if uses_manual_data(mesh, m)
-        else None
-    )
-    if mesh.shape["pipeline"] > 1:  # loss and gradients through the pipeline schedule
-        grads_fn = pipeline.pipeline_grads(cfg, mesh, graphdef, template, act_rules, task)
-    if compress:
-        compressed_fn = _compressed_data_grads(value_and_grad, mesh, act_rules, m, compress)
+        return strategy.init_state({"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng})
 
     def train_step(state, batch, poison):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        with activation_rules(mesh, act_rules):
-            comm = state.get("comm")
-            if compress:
-                loss, aux, grads, comm = compressed_fn(state["params"], batch, key, comm)
-            elif grads_fn is not None:
-                loss, aux, grads = grads_fn(state["params"], batch, key)
-            else:
-                loss, aux, grads = _accumulate(value_and_grad, state["params"], batch, key, m)
-        # `poison` is 1.0, or NaN when a fault injects a non-finite step (faults.py).
-        loss, grads = loss * poison, jax.tree.map(lambda g: g * poison, grads)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {
-            "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "lr": schedule(state["step"]),
-        }
-        new = {"step": state["step"] + 1, "params": params, "opt": opt, "rng": state["rng"]}
-        if compress:
-            new["comm"] = comm
-        return new, {**metrics, **aux}
+        return strategy.step(state, batch, key, poison)
 
-    return finish_program(
-        mesh, graphdef, template, state_sh, b_sh, init, train_step,
-        make_eval_step(graphdef, template, mesh, act_rules, task, prec), schedule, task,
-        metrics_sharding=replicated,
+    eval_step = make_eval_step(graphdef, template, mesh, act_rules, task, prec)
+    sync = None
+    if strategy.sync_every:
+        sync = jax.jit(strategy.sync_step, in_shardings=(state_sh,), out_shardings=state_sh,
+                       donate_argnums=0)  # fmt: skip
+    abs_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(init), state_sh,
+    )  # fmt: skip
+    # Metrics with a per-replica dimension (DiLoCo) keep their sharding: none is forced.
+    metrics_sh = replicated if strategy.metrics_replicated else None
+    return Program(
+        mesh=mesh, graphdef=graphdef, param_template=template, state_shardings=state_sh,
+        batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
+        init=jax.jit(init, out_shardings=state_sh),
+        train_step=jax.jit(
+            train_step, in_shardings=(state_sh, b_sh, replicated),
+            out_shardings=(state_sh, metrics_sh), donate_argnums=0,
+        ),
+        eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
+        schedule=schedule, task=task, sync_step=sync, sync_every=strategy.sync_every,
+        strategy=strategy.name,
     )  # fmt: skip
 
 
@@ -283,7 +231,7 @@ def make_loss(graphdef, template: nnx.State, task: str, prec: Policy = FP32) -> 
     float32, like the parameters (jaxpar/precision.py)."""
 
     def loss_fn(params, batch, key):
-        model = nnx.merge(graphdef, _to_state(template, prec.cast(params)))
+        model = merge(graphdef, template, prec.cast(params))
         return _loss(task, model, prec.cast(batch), key)
 
     return loss_fn
@@ -322,106 +270,11 @@ def make_eval_step(
 
     def eval_step(state, batch):
         with activation_rules(mesh, act_rules):
-            model = nnx.merge(graphdef, _to_state(template, prec.cast(state["params"])))
+            model = merge(graphdef, template, prec.cast(state["params"]))
             loss, aux = _loss(task, model, prec.cast(batch), None)
         return {"loss": loss, **aux}
 
     return eval_step
-
-
-def finish_program(
-    mesh: Mesh,
-    graphdef,
-    template: nnx.State,
-    state_sh: dict,
-    b_sh: dict,
-    init: Callable,
-    train_step: Callable,
-    eval_step: Callable,
-    schedule: Callable,
-    task: str,
-    *,
-    metrics_sharding: NamedSharding | None,
-    sync_step: Callable | None = None,
-    sync_every: int = 0,
-) -> Program:
-    """The Program: abstract state from `init` and the shardings; init, train and eval jitted
-    (the train step donates its state)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abs_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(init), state_sh,
-    )  # fmt: skip
-    return Program(
-        mesh=mesh, graphdef=graphdef, param_template=template, state_shardings=state_sh,
-        batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
-        init=jax.jit(init, out_shardings=state_sh),
-        train_step=jax.jit(
-            train_step, in_shardings=(state_sh, b_sh, replicated),
-            out_shardings=(state_sh, metrics_sharding), donate_argnums=0,
-        ),
-        eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
-        schedule=schedule, task=task, sync_step=sync_step, sync_every=sync_every,
-    )  # fmt: skip
-
-
-def _manual_data_grads(value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m: int) -> Callable:
-    """Accumulate over microbatches on each data replica's rows, then one mean over `data`."""
-
-    def local(params, batch, key):
-        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
-        with activation_rules(mesh, act_rules, manual=("data",)):
-            loss, aux, grads = _accumulate(value_and_grad, params, batch, key, m)
-        return jax.lax.pmean((loss, aux, grads), "data")
-
-    data = PartitionSpec("data")
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), data, PartitionSpec()),
-        out_specs=PartitionSpec(),
-        axis_names={"data"},
-        check_vma=False,
-    )
-
-
-def compression(cfg: TrainConfig, mesh: Mesh) -> str | None:
-    """The gradient compression in force ("bf16" / "int8"), or None (also with data=1)."""
-    kind = cfg.comm.compress
-    if kind not in COMPRESS:
-        raise ValueError(f"comm.compress={kind!r}: use one of {COMPRESS}")
-    if kind == "none" or mesh.shape["data"] == 1:
-        return None
-    if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
-        raise ValueError(
-            f"comm.compress={kind} runs in a shard_map manual over `data`, which XLA cannot "
-            f"compile with both fsdp and tensor automatic; use fsdp=1 or tensor=1"
-        )
-    if mesh.shape["pipeline"] > 1:
-        raise ValueError(f"comm.compress={kind} does not combine with pipeline parallelism yet")
-    return kind
-
-
-def _compressed_data_grads(
-    value_and_grad: Callable, mesh: Mesh, act_rules: Rules, m: int, kind: str
-) -> Callable:
-    """Like _manual_data_grads, but the mean over `data` is compressed with error feedback."""
-    n = mesh.shape["data"]
-
-    def local(params, batch, key, residual):
-        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
-        with activation_rules(mesh, act_rules, manual=("data",)):
-            loss, aux, grads = _accumulate(value_and_grad, params, batch, key, m)
-        residual = jax.tree.map(lambda r: r[0], residual)
-        grads, residual = compressed_mean(grads, residual, kind, "data", n)
-        loss, aux = jax.lax.pmean((loss, aux), "data")
-        return loss, aux, grads, jax.tree.map(lambda r: r[None], residual)
-
-    data, rep = PartitionSpec("data"), PartitionSpec()
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(rep, data, rep, data), out_specs=(rep, rep, rep, data),
-        axis_names={"data"}, check_vma=False,
-    )  # fmt: skip
 
 
 def param_bytes(abstract_params: dict) -> int:

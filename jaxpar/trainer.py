@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog
+from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog, snapshot
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import (
     Checkpointer,
@@ -267,8 +268,45 @@ def _layout_bound_target(s: Session, ckpt: Checkpointer) -> tuple[dict, int | No
     return {**target, "comm": comm}, old
 
 
-def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
-    """The newest good checkpoint resharded onto this mesh, else a fresh sharded init."""
+def _local_tier(s: Session, faults: Faults) -> snapshot.LocalTier | None:
+    cfg = s.cfg
+    if cfg.ckpt.local_every == 0:
+        return None
+    binding = {"config_hash": config_hash(cfg), "mesh": str(MeshSpec(**dict(s.mesh.shape)))}
+    return snapshot.LocalTier(
+        s.run, s.program.abstract_state, every=cfg.ckpt.local_every, binding=binding,
+        root=snapshot.default_root(cfg.ckpt.local_dir), before_commit=faults.before_snapshot,
+    )  # fmt: skip
+
+
+def restore_or_init(s: Session, ckpt: Checkpointer, tier: snapshot.LocalTier | None = None) -> dict:
+    """The newest complete local snapshot if not older than the newest good checkpoint, else
+    that checkpoint resharded onto this mesh, else a fresh sharded init."""
+    skipped: list[int] = []
+    if tier is not None:
+        steps = ckpt.committed_steps() if s.cfg.ckpt.restore == "latest" else []
+        got = tier.restore(steps[-1] if steps else (None if s.cfg.ckpt.restore == "latest" else -1))
+        if got is not None:
+            state, info = got
+            if not replica_mismatches(state, s.mesh):
+                s.run.event(
+                    W.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
+                    to_mesh=ckpt.meta["mesh"], from_nproc=jax.process_count(),
+                    to_nproc=jax.process_count(), fetched=info["fetched"],
+                    local_skipped=info["skipped"],
+                )  # fmt: skip
+                return state
+            s.run.event(W.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
+                        reason="data-parallel replicas differ")  # fmt: skip
+            skipped = [*info["skipped"], info["step"]]
+            tier.discard()
+    state = _restore_persistent(s, ckpt, skipped)
+    if tier is not None:
+        tier.forget_except(int(state["step"]))  # other steps are another timeline
+    return state
+
+
+def _restore_persistent(s: Session, ckpt: Checkpointer, local_skipped: list[int]) -> dict:
     target, old_data = _layout_bound_target(s, ckpt)
     got = ckpt.restore(target, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
     if got is None:
@@ -281,9 +319,9 @@ def restore_or_init(s: Session, ckpt: Checkpointer) -> dict:
         )
         s.run.event(W.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
     s.run.event(
-        W.RESTORE, step=int(meta["step"]), from_mesh=meta.get("mesh"), to_mesh=ckpt.meta["mesh"],
-        from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
-        skipped_corrupt=meta.get("skipped", []),
+        W.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
+        to_mesh=ckpt.meta["mesh"], from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
+        skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
     )  # fmt: skip
     check_replicas(s, state, "restore")
     return state
@@ -410,17 +448,24 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
         )
     inject = Faults(specs, s.run, jax.process_index())
     ckpt = _checkpointer(s, inject)
+    tier = _local_tier(s, inject)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
+    last = None
     try:
         # Trace, lower and compile (or load) the step while the checkpoint is read: both only
         # need the abstract state, and orbax's reads release the GIL.
         step_program = pool.submit(compile_step, s)
-        state = restore_or_init(s, ckpt)
+        copy_program = pool.submit(tier.warm_up) if tier is not None else None
+        state = restore_or_init(s, ckpt, tier)
         compiled, seconds = step_program.result()
         s.run.event(W.COMPILED, seconds=seconds, **compile_cache.stats())
+        if copy_program is not None:
+            copy_program.result()
+            s.run.event(W.LOCAL_TIER, **tier.describe())
+        inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         try:
-            last = _loop(s, ckpt, inject, compiled, state, t_start, progress)
+            last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
         except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
             kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
             own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
@@ -430,6 +475,11 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
     finally:
         pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
         ckpt.close()
+        if tier is not None:  # a finished run's final state is in a persistent checkpoint
+            failed = sys.exc_info()[0] is not None
+            tier.close(complete=last == cfg.train.steps, failed=failed)
+            if not failed:
+                s.run.event(W.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
         if s.tb:
             s.tb.close()
     s.run.event(W.DONE, step=last, complete=last == cfg.train.steps)
@@ -439,7 +489,7 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
     return summary
 
 
-def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
+def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int:
     """Train from the state's step to cfg.train.steps; returns the last step completed."""
     cfg = s.cfg
     start = int(state["step"])
@@ -487,6 +537,8 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress) -> int:
         bar.update(step + 1, line["loss"], rate, unit, loss_metrics(line))
         if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):
             _save(s, ckpt, state, step + 1)
+        if tier is not None:
+            tier.offer(step + 1, state)  # a copy off the device, written in the background
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             ev = evaluate(s, state, step + 1)
             shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k.startswith("eval_"))

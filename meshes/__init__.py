@@ -36,7 +36,7 @@ PRESETS: dict[str, Preset] = {
     "v6e-16": Preset(
         P("data=2,fsdp=2,tensor=4"), description="TPU v6e-16 (4 hosts)", num_processes=4
     ),
-    # Pipeline parallelism (jaxpar.pipeline; --set pipeline.schedule / microbatches / repeats).
+    # Pipeline parallelism (jaxpar.parallel.pipeline; --set pipeline.schedule / microbatches / repeats).
     "pp2": Preset(P("data=1,pipeline=2"), description="2 pipeline stages (2 devices)"),
     "pp4": Preset(P("data=1,pipeline=4"), description="4 pipeline stages (4 devices)"),
     "dp4_pp2": Preset(P("data=4,pipeline=2"), description="4 replicas x 2 pipeline stages"),

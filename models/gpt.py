@@ -221,7 +221,7 @@ class GPT(nnx.Module):
         return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
     def pipeline_parts(self):
-        """(embed, blocks, head) for a pipeline schedule (jaxpar.pipeline.PipelineModel).
+        """(embed, blocks, head) for a pipeline schedule (jaxpar.parallel.pipeline.PipelineModel).
 
         embed(tokens_BT, key) -> x_BTD; blocks: the stacked module (one layer's slice of its
         state, merged with its graphdef, is a Block called as block(x_BTD, key)); head(x_BTD) ->

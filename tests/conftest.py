@@ -75,6 +75,8 @@ def _subprocess_compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the session's subprocesses (tests.helpers.cpu_env);
     a child pytest (rerun_with_devices) keeps its parent's."""
     os.environ.setdefault(helpers.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    local = os.environ.setdefault(helpers.LOCAL_ENV, str(tmp_path_factory.getbasetemp() / "local"))
+    os.environ.setdefault("JAXPAR_LOCAL_DIR", local)  # in-process runs too
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from jaxpar.metrics import last_per_step, read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
+LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snapshot tier root
 
 
 def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
@@ -36,6 +37,8 @@ def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
     env["XLA_FLAGS"] = " ".join([*count, THREADS])
+    if os.environ.get(LOCAL_ENV):  # local snapshots in the session's temp dir, not /dev/shm
+        env["JAXPAR_LOCAL_DIR"] = os.environ[LOCAL_ENV]
     if cache and os.environ.get(CACHE_ENV):
         env["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_ENV]
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -35,20 +35,28 @@ def token(opts: Options) -> bytes:
     if opts.token_file:
         return _read_token(opts.token_file)
     if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV].encode()
+        secret = os.environ[TOKEN_ENV].strip().encode()
+        if len(secret) < 16:
+            raise ValueError(f"${TOKEN_ENV} is shorter than 16 characters; give a longer secret")
+        return secret
     path = os.path.join(opts.run_dir, TOKEN_FILE)
     if not os.path.exists(path):
-        os.makedirs(opts.run_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
         try:
-            os.link(tmp, path)  # atomic, and fails if another agent was first
-        except FileExistsError:
-            pass
+            os.makedirs(opts.run_dir, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            with contextlib.suppress(FileExistsError):  # another agent was first: use theirs
+                os.link(tmp, path)  # atomic: readers never see a half-written token
+        except OSError as e:
+            raise ValueError(
+                f"cannot create the launch token {path}: {e.strerror or e}; give --token-file "
+                f"or ${TOKEN_ENV}"
+            ) from None
         finally:
-            os.remove(tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
     return _read_token(path)
 
 

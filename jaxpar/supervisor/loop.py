@@ -15,8 +15,8 @@ import signal
 import time
 from typing import Any
 
-from jaxpar import goodput, runlog
 from jaxpar import launch as L
+from jaxpar import runlog
 from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
@@ -109,6 +109,8 @@ class Supervisor:
         return code
 
     def _summary(self, wall_s: float, status: str) -> None:
+        from jaxpar import goodput  # numpy: only at the end
+
         try:
             summary = goodput.summarize_run(
                 self.run_dir, wall_s, self.restarts, status, counted_restarts=self.counted,

@@ -1,6 +1,7 @@
-"""`jaxpar bench recovery --quick`: real 4-process supervised jobs with a SIGKILL, restarted cold
-and through spares + the compiled-program cache, and a goodput run under timed kills. Asserts the
-shape of recovery.json and how the restarts came up, never their timings."""
+"""`jaxpar bench recovery --quick`: real 4-process supervised jobs with a SIGKILL, restarted cold,
+through spares + the compiled-program cache from the persistent checkpoint, and the same from the
+local snapshot tier, and a goodput run under timed kills. Asserts the shape of recovery.json and
+how the restarts came up, never their timings."""
 
 from __future__ import annotations
 
@@ -31,14 +32,19 @@ def test_bench_recovery_quick(tmp_path):
     with open(os.path.join(tmp_path, "recovery.json")) as f:
         r = json.load(f)
     assert r["suite"] == "recovery" and r["nproc"] == 4 and r["devices_per_proc"] == 2
-    cold, fast = r["recovery"]
-    assert (cold["mode"], fast["mode"]) == ("cold", "jaxpar")
-    for mode in (cold, fast):
+    cold, persistent, fast = r["recovery"]
+    assert (cold["mode"], persistent["mode"], fast["mode"]) == ("cold", "persistent", "local")
+    for mode in (cold, persistent, fast):
         assert mode["exit_code"] == 0 and mode["incidents"] == 1
         assert mode["recovery_s"] > 0 and mode["recovery_s"] >= mode["init_s"] > 0
-    # the jaxpar path came up from the spares with its programs loaded; the cold one did not
-    assert fast["warm_starts"] == 1 and fast["cache_hits"] >= 2
+    # the warm paths came up from the spares with their programs loaded; the cold one did not
+    for mode in (persistent, fast):
+        assert mode["warm_starts"] == 1 and mode["cache_hits"] >= 2
     assert cold["warm_starts"] == 0 and cold["cache_hits"] == 0
-    assert r["cold_over_jaxpar"] == pytest.approx(cold["recovery_s"] / fast["recovery_s"])
+    # killed at step 6 with a checkpoint at 3: the persistent tier loses 2 steps, RAM at most 1
+    assert cold["restore_tiers"] == persistent["restore_tiers"] == ["persistent"]
+    assert cold["lost_steps_each"] == persistent["lost_steps_each"] == [2]
+    assert fast["restore_tiers"] == ["local"] and fast["lost_steps_each"][0] <= 1
+    assert r["cold_over_local"] == pytest.approx(cold["recovery_s"] / fast["recovery_s"])
     (g,) = r["goodput"]
     assert g["kills"] == 1 and g["restarts"] >= 1 and 0 < g["goodput"] <= g["goodput_steady"] <= 1

@@ -25,10 +25,13 @@ THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
 
 
-def train_cmd(steps: int, every: int, *extra: str) -> list[str]:
+def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list[str]:
+    """gpt_tiny (SMALL); the local snapshot tier off unless `local_every` (the supervisor's
+    tests count on restores from the persistent checkpoints)."""
     return [
         sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--steps", str(steps),
-        "--no-progress", "--set", f"ckpt.every={every}", *SMALL, *extra,
+        "--no-progress", "--set", f"ckpt.every={every}", "--set", f"ckpt.local_every={local_every}",
+        *SMALL, *extra,
     ]  # fmt: skip
 
 
@@ -87,6 +90,8 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     env["XLA_FLAGS"] = THREADS
     env["PYTHONPATH"] = str(REPO)
+    if os.environ.get("JAXPAR_TEST_LOCAL_DIR"):  # local snapshots in the session's temp dir
+        env["JAXPAR_LOCAL_DIR"] = os.environ["JAXPAR_TEST_LOCAL_DIR"]
     return env
 
 

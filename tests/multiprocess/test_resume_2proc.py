@@ -45,7 +45,7 @@ class Pair:
         run_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cmd = [sys.executable, "-m", "train", "--steps", "30", "--run-dir", str(run_dir)]
-        cmd += ["--no-progress", "--set", "ckpt.every=10", *args]
+        cmd += ["--no-progress", "--set", "ckpt.every=10", "--set", "ckpt.local_every=0", *args]
         for f in faults:
             cmd += ["--fault", f]
         self.procs, self.logs = [], []

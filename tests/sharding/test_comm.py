@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import collectives
-from jaxpar.collectives import compressed_mean
 from jaxpar.config import CommConfig, OptimConfig
 from jaxpar.mesh import make_mesh
+from jaxpar.parallel.compressed import compressed_mean
 
 
 def with_comm(cfg, steps, **comm):

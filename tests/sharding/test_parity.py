@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxpar import collectives
-from jaxpar.step import param_bytes, uses_manual_data
+from jaxpar.parallel.plan import uses_manual_data
+from jaxpar.step import param_bytes
 
 pytestmark = pytest.mark.slow
 

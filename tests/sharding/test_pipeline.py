@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxpar.pipeline): parity with the unpipelined model, tick counts read
+"""Pipeline parallelism (jaxpar.parallel.pipeline): parity with the unpipelined model, tick counts read
 from the compiled HLO, clear errors, inspect lines, checkpoints across pipelined/unpipelined meshes.
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/sharding/test_pipeline.py
@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar import pipeline
 from jaxpar.config import OptimConfig, PipelineConfig, TrainConfig
 from jaxpar.models.gpt import GPTConfig
+from jaxpar.parallel import pipeline
 
 STEPS = 2
 LOSS_RTOL = 2e-6  # first-step loss, relative

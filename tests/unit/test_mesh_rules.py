@@ -253,8 +253,8 @@ def test_unknown_set_key():
     cfg = resolve_recipe("gpt_tiny")
     with pytest.raises(ValueError, match=r"optim.lrr: unknown key 'lrr'; known here: \[.*'lr'"):
         apply_overrides(cfg, ["optim.lrr=1e-3"])
-    with pytest.raises(ValueError, match=r"unknown key 'optimizer'; known here: \[.*'optim'"):
-        apply_overrides(cfg, ["optimizer.lr=1e-3"])
+    with pytest.raises(ValueError, match=r"unknown key 'optimiser'; known here: \[.*'optim'"):
+        apply_overrides(cfg, ["optimiser.lr=1e-3"])
     with pytest.raises(ValueError, match=r"unknown key 'channels'; known here: \[.*'d_model'"):
         apply_overrides(cfg, ["model.channels=[8]"])  # a CNN field on the GPT config
     with pytest.raises(ValueError, match=r"use KEY=VALUE, e.g. --set optim.lr=3e-4"):

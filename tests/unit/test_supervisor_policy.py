@@ -315,7 +315,7 @@ def test_addresses_and_binds():
                       bind_host="0.0.0.0").bind == "0.0.0.0"  # fmt: skip
 
 
-def test_token_file_must_be_private(tmp_path):
+def test_token_file_must_be_private(tmp_path, monkeypatch):
     from jaxpar.supervisor.channel import token
 
     opts = sv.Options(command=["x"], nproc=1, run_dir=str(tmp_path / "run"), nnodes=2)
@@ -328,6 +328,11 @@ def test_token_file_must_be_private(tmp_path):
         token(opts)
     with pytest.raises(ValueError, match="cannot read the launch token"):
         token(sv.Options(command=["x"], nproc=1, run_dir="/r", token_file=str(tmp_path / "no")))
+    monkeypatch.setenv("JAXPAR_LAUNCH_TOKEN", "short")
+    with pytest.raises(ValueError, match="shorter than 16"):
+        token(opts)
+    monkeypatch.setenv("JAXPAR_LAUNCH_TOKEN", "x" * 20)
+    assert token(opts) == b"x" * 20  # the environment wins over the run directory's file
 
 
 def test_child_exit_wakes_the_supervisor_and_stopped_workers_are_seen(tmp_path):

@@ -65,9 +65,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.config import PipelineConfig, TrainConfig
-from jaxpar.mesh import batch_parallel_size
-from jaxpar.precision import policy
-from jaxpar.rules import Rules, activation_rules
+from jaxpar.mesh import DATA, batch_parallel_size
+from jaxpar.parallel.base import Context, Strategy, join_microbatches, merge, split_microbatches
+from jaxpar.rules import activation_rules
 
 SCHEDULES = ("gpipe", "circular")
 AXIS = "pipeline"
@@ -145,7 +145,7 @@ def _blocks_path(model: Any) -> tuple:
     if not callable(getattr(model, "pipeline_parts", None)):
         raise ValueError(
             f"{type(model).__name__} has no pipeline_parts(): a model trained with pipeline > 1 "
-            f"must return (embed, stacked blocks, head) from it (see jaxpar.pipeline); use a "
+            f"must return (embed, stacked blocks, head) from it (see jaxpar.parallel.pipeline); use a "
             f"mesh with pipeline=1 for this model"
         )
     _, blocks, _ = model.pipeline_parts()
@@ -166,12 +166,6 @@ def _put(tree: dict, path: tuple, value: Any) -> dict:
     if not path:
         return value
     return {**tree, path[0]: _put(tree[path[0]], path[1:], value)}
-
-
-def _merge(graphdef, template: nnx.State, pure: dict) -> Any:
-    state = jax.tree.map(lambda x: x, template)  # fresh Variables: never mutate the template
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
 
 
 @dataclass(frozen=True)
@@ -218,7 +212,7 @@ def to_layer_major(a: jax.Array) -> jax.Array:
 
 # The pipeline's shard_map is manual over these; fsdp and tensor stay automatic. `data` is manual
 # so that gradients are reduced once per step, not once per tick (a size-1 axis costs nothing).
-MANUAL = ("data", AXIS)
+MANUAL = (DATA, AXIS)
 
 
 # ---- the schedule -------------------------------------------------------------------------------
@@ -242,7 +236,7 @@ def _run_stages(
         # Unrolled (k is small): an inner while loop slicing the weights ran about 2x slower
         # per layer on CPU than straight-line code.
         for j in range(k):
-            block = _merge(parts.block_graphdef, parts.block_template,
+            block = merge(parts.block_graphdef, parts.block_template,
                            jax.tree.map(lambda a, j=j: a[j], w_K))  # fmt: skip
             kj = None if key is None else jax.random.fold_in(jax.random.fold_in(key, i), first + j)
             x_BTD = block(x_BTD, kj)
@@ -274,24 +268,16 @@ def _run_stages(
     return out_MBTD
 
 
-def _split_microbatches(x_B: jax.Array, m: int) -> jax.Array:
-    # Microbatch i takes rows i, i+m, ...: each fsdp shard keeps an equal share of every one.
-    return x_B.reshape(x_B.shape[0] // m, m, *x_B.shape[1:]).swapaxes(0, 1)
-
-
-def _join_microbatches(x_M: jax.Array) -> jax.Array:
-    return x_M.swapaxes(0, 1).reshape(-1, *x_M.shape[2:])
-
-
 def _stage_loss(sched: Schedule, parts: Parts, rest: dict, w_VK: dict, x_BTD, targets_BT, key):
     """This stage's share of the mean loss (the sum over stages and data replicas is the loss)."""
     p = sched.stages
     stage = lax.axis_index(AXIS)
-    model = _merge(parts.graphdef, parts.template, _put(rest, parts.path, w_VK))
+    model = merge(parts.graphdef, parts.template, _put(rest, parts.path, w_VK))
     _, _, head = model.pipeline_parts()
     b, t = targets_BT.shape
-    x_MBTD = _split_microbatches(x_BTD, sched.microbatches)
-    out_BTD = _join_microbatches(_run_stages(sched, parts, w_VK, x_MBTD, key))
+    # Microbatch i takes rows i, i+m, ...: each fsdp shard keeps an equal share of every one.
+    x_MBTD = split_microbatches(x_BTD, sched.microbatches)
+    out_BTD = join_microbatches(_run_stages(sched, parts, w_VK, x_MBTD, key))
     out_BTD = jnp.where(stage == p - 1, out_BTD, 0)
     # Each stage gets T/p positions of the last stage's output and runs the head on them. In
     # float32 whatever the compute dtype: XLA CPU aborts compiling a bf16 reduce-scatter here,
@@ -310,26 +296,39 @@ def _cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BSV, axis=-1) - (logits_BSV * onehot_BSV).sum(-1)
 
 
-def pipeline_grads(
-    cfg: TrainConfig, mesh: Mesh, graphdef, template: nnx.State, act_rules: Rules, task: str
-) -> Callable:
+class Pipeline(Strategy):
+    """Gradients through the pipeline schedule (the mesh has pipeline > 1), then the update."""
+
+    name = "pipeline"
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self._grads = pipeline_grads(ctx)
+
+    def gradients(self, params, batch, key, extra):
+        loss, aux, grads = self._grads(params, batch, key)
+        return loss, aux, grads, extra
+
+
+def pipeline_grads(ctx: Context) -> Callable:
     """(params, batch, key) -> (loss, aux, grads) through the pipeline schedule.
 
     Called inside the jitted train step (jaxpar.step) when the mesh has pipeline > 1; `params`
     and `grads` are canonical (layer-major) parameter dicts.
     """
+    cfg, mesh, graphdef, template = ctx.cfg, ctx.mesh, ctx.graphdef, ctx.template
     parts = model_parts(graphdef, template)
     sched = make_schedule(cfg.pipeline, mesh.shape[AXIS], parts.num_layers)
-    check_config(cfg, mesh, sched, task)
-    d, p, v = mesh.shape["data"], sched.stages, sched.repeats
-    prec = policy(cfg.precision)  # casts inside the differentiated functions: float32 gradients
+    check_config(cfg, mesh, sched, ctx.task)
+    d, p, v = mesh.shape[DATA], sched.stages, sched.repeats
+    prec = ctx.prec  # casts inside the differentiated functions: float32 gradients
 
     def local(rest, w_sm, x_BTD, targets_BT, key):
         # rest: embedding/head, replicated over stages; w_sm leaves [1, v, k, ...]: this stage;
         # x_BTD, targets_BT: this data replica's rows.
-        key = jax.random.fold_in(key, lax.axis_index("data"))
+        key = jax.random.fold_in(key, lax.axis_index(DATA))
         w_VK = jax.tree.map(lambda a: a[0], w_sm)
-        with activation_rules(mesh, act_rules, manual=MANUAL):
+        with activation_rules(mesh, ctx.act_rules, manual=MANUAL):
             loss, (g_rest, g_VK, g_BTD) = jax.value_and_grad(
                 lambda r, w, x: _stage_loss(
                     sched, parts, prec.cast(r), prec.cast(w), x, targets_BT, key
@@ -339,12 +338,12 @@ def pipeline_grads(
         # The head got partial gradients on every stage and data replica; the input only on
         # stage 0. One reduction each per step, none inside the tick loop. All in float32.
         loss, g_rest = lax.psum((loss, g_rest), MANUAL)
-        g_VK = lax.psum(g_VK, "data")
+        g_VK = lax.psum(g_VK, DATA)
         g_BTD = lax.psum(g_BTD.astype(jnp.float32), AXIS)
         loss, g_rest, g_VK, g_BTD = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK, g_BTD))
         return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK), g_BTD
 
-    rows, stage = PartitionSpec("data"), PartitionSpec(AXIS)
+    rows, stage = PartitionSpec(DATA), PartitionSpec(AXIS)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
@@ -360,7 +359,7 @@ def pipeline_grads(
         k_embed, k_blocks = jax.random.split(key)
 
         def embed(rest):
-            model = _merge(graphdef, template, prec.cast(_put(rest, parts.path, blocks)))
+            model = merge(graphdef, template, prec.cast(_put(rest, parts.path, blocks)))
             return model.pipeline_parts()[0](batch["inputs"], k_embed)
 
         # The embedding runs outside the shard_map, automatically sharded (XLA CPU cannot
@@ -454,10 +453,10 @@ def _flops(cfg: TrainConfig, parts: Parts) -> dict:
     )
 
     def part(i: int) -> Callable:
-        return lambda p, x: _merge(parts.graphdef, parts.template, p).pipeline_parts()[i](x)
+        return lambda p, x: merge(parts.graphdef, parts.template, p).pipeline_parts()[i](x)
 
     def block(w, x_BTD):
-        return _merge(parts.block_graphdef, parts.block_template, w)(x_BTD)
+        return merge(parts.block_graphdef, parts.block_template, w)(x_BTD)
 
     def cost(fn, *args) -> float:
         analysis = jax.jit(fn).lower(*args).cost_analysis() or {}

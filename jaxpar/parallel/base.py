@@ -1,0 +1,189 @@
+"""The strategy interface, and what the strategies share.
+
+A strategy is one way of turning a batch into an optimizer step on the mesh: plain SPMD
+(`spmd`), a shard_map manual over `data` that reduces gradients once per step (`manual_data`),
+the same with a compressed reduction (`compressed`), the pipeline schedule (`pipeline`) and
+DiLoCo (`diloco`). `jaxpar.parallel.plan` picks one from the config and the mesh; `jaxpar.step`
+builds the Program around it. What a strategy provides:
+
+    state_shardings()        shardings of "opt" and of any state entries it adds
+    init_state(state)        fills "opt" (and its entries) from {"step", "params", "rng"}
+    gradients(params, batch, key, extra) -> (loss, aux, grads, extra)
+    step(state, batch, key, poison) -> (state, metrics)   default: gradients + optimizer update
+    sync_step / sync_every   an optional state -> state program run every `sync_every` steps
+
+Everything a strategy needs of the model and config is in its `Context`, built once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.config import TrainConfig
+from jaxpar.mesh import DATA
+from jaxpar.precision import Policy
+from jaxpar.rules import Rules, activation_rules
+
+REP = PartitionSpec()  # replicated over the manual axes of a shard_map
+ROWS = PartitionSpec(DATA)  # split over `data`: each replica's rows (or its own copy)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every strategy is built from (abstract: nothing is allocated)."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    act_rules: Rules
+    graphdef: Any
+    template: nnx.State  # the model's abstract parameter state
+    prec: Policy
+    tx: optax.GradientTransformation
+    schedule: Callable
+    task: str
+    value_and_grad: Callable  # (params, batch, key) -> ((loss, aux), grads)
+    param_shardings: dict  # pure dict of NamedShardings
+    abstract_params: dict  # pure dict of ShapeDtypeStructs
+
+    @property
+    def microbatches(self) -> int:
+        return self.cfg.train.microbatches
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def opt_shardings(self, tx: optax.GradientTransformation) -> Any:
+        """Shardings of `tx`'s state: moments like their parameters, the rest replicated."""
+        abs_opt = jax.eval_shape(tx.init, self.abstract_params)
+        return optax.tree_map_params(
+            tx, lambda _, s: s, abs_opt, self.param_shardings,
+            transform_non_params=lambda _: self.replicated,
+        )  # fmt: skip
+
+
+class Strategy:
+    """Plain gradients of the whole batch (accumulated over train.microbatches), then the update.
+
+    Subclasses override `gradients` (and, for extra state, `state_shardings`/`init_state`), or
+    `step` itself when the update is theirs too (DiLoCo).
+    """
+
+    name = "spmd"
+    extra_keys: tuple[str, ...] = ()  # state entries this strategy adds and updates
+    metrics_replicated = True  # False: metrics keep a per-replica dimension (no sharding forced)
+    sync_every = 0
+    sync_step: Callable[[dict], dict] | None = None
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def state_shardings(self) -> dict:
+        return {"opt": self.ctx.opt_shardings(self.ctx.tx)}
+
+    def init_state(self, state: dict) -> dict:
+        return {**state, "opt": self.ctx.tx.init(state["params"])}
+
+    def gradients(self, params: dict, batch: dict, key: jax.Array, extra: dict):
+        loss, aux, grads = accumulate(self.ctx.value_and_grad, params, batch, key,
+                                      self.ctx.microbatches)  # fmt: skip
+        return loss, aux, grads, extra
+
+    def step(self, state: dict, batch: dict, key: jax.Array, poison: jax.Array):
+        ctx = self.ctx
+        extra = {k: state[k] for k in self.extra_keys}
+        with activation_rules(ctx.mesh, ctx.act_rules):
+            loss, aux, grads, extra = self.gradients(state["params"], batch, key, extra)
+        loss, grads = poisoned(poison, loss, grads)
+        updates, opt = ctx.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": ctx.schedule(state["step"]),
+        }
+        new = {**state, "step": state["step"] + 1, "params": params, "opt": opt, **extra}
+        return new, {**metrics, **aux}
+
+
+def poisoned(poison: jax.Array, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
+    """`poison` is 1.0, or NaN when a fault injects a non-finite step (jaxpar/faults.py)."""
+    return loss * poison, jax.tree.map(lambda g: g * poison, grads)
+
+
+# ---- microbatches --------------------------------------------------------------------------------
+
+
+def split_microbatches(tree: Any, m: int) -> Any:
+    """[B, ...] -> [m, B/m, ...] per leaf. Microbatch i takes every m-th row, so each device keeps
+    an equal share of every microbatch (rows are sharded in contiguous blocks): no data moves."""
+
+    def split(x):
+        return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, tree)
+
+
+def join_microbatches(tree: Any) -> Any:
+    """Inverse of split_microbatches: [m, B/m, ...] -> [B, ...] per leaf."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def accumulate(value_and_grad: Callable, params: dict, batch: dict, key, m: int):
+    """Mean loss, aux and gradients over m microbatches (a scan: one microbatch live at a time)."""
+    if m == 1:
+        (loss, aux), grads = value_and_grad(params, batch, key)
+        return loss, aux, grads
+    mbs = split_microbatches(batch, m)
+
+    def body(carry, i):
+        mb = jax.tree.map(lambda x: x[i], mbs)
+        (loss, aux), grads = value_and_grad(params, mb, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+    (loss, aux), g0 = jax.eval_shape(value_and_grad, params, jax.tree.map(lambda x: x[0], mbs), key)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, g0))
+    total, _ = jax.lax.scan(body, zeros, jnp.arange(m))
+    return jax.tree.map(lambda x: x / m, total)
+
+
+# ---- a shard_map manual over `data` ------------------------------------------------------------
+
+
+def replica_gradients(ctx: Context, params: dict, batch: dict, key: jax.Array):
+    """(loss, aux, grads) of this data replica's rows, accumulated over its microbatches.
+
+    Called inside `over_data`: the key folds in the replica index and activation constraints
+    leave the manual `data` axis alone. Nothing is reduced across replicas here.
+    """
+    key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+    with activation_rules(ctx.mesh, ctx.act_rules, manual=(DATA,)):
+        return accumulate(ctx.value_and_grad, params, batch, key, ctx.microbatches)
+
+
+def over_data(ctx: Context, local: Callable, in_specs: tuple, out_specs: Any) -> Callable:
+    """`local` in a shard_map manual over `data` (fsdp, tensor and pipeline stay automatic).
+
+    Specs are REP (the same on every replica) or ROWS (split over `data`). XLA CPU cannot
+    compile this with fsdp and tensor both automatic and > 1: the plan (jaxpar.parallel.plan)
+    never picks a data-manual strategy for such a mesh.
+    """
+    return jax.shard_map(
+        local, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA},
+        check_vma=False,
+    )  # fmt: skip
+
+
+def merge(graphdef: Any, template: nnx.State, pure: dict) -> Any:
+    """The model rebuilt from a pure dict of its state (fresh Variables: `template` untouched)."""
+    state = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,148 @@
+"""End to end on a prepared corpus: train gpt_tiny on token shards (dp8, fsdp2 x tp4), resume
+after a kill bitwise, read it from 2 processes, sample and export; a user's own source."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxpar import data as data_lib
+from jaxpar.metrics import read_jsonl
+from tests.helpers import REPO, cpu_env, losses, ok, run, train_cmd
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 12, 6
+FSDP_TP = "data=1,fsdp=2,tensor=4"
+
+
+def tokens_cmd(run_dir, corpus, *args, steps=STEPS, faults=()):
+    return train_cmd(
+        run_dir, "--set", "data.source=tokens", "--set", f"data.path={corpus}",
+        "--set", f"ckpt.every={EVERY}", "--set", f"train.eval_every={STEPS}", *args,
+        steps=steps, faults=faults,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dp8_run(tokens_corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tokens-dp8") / "run"
+    ok(run(tokens_cmd(run_dir, tokens_corpus, "--mesh", "dp8")))
+    return run_dir
+
+
+def test_trains_on_tokens_with_the_vocabulary_of_meta_json(dp8_run):
+    config = json.load(open(dp8_run / "config.json"))
+    assert config["model"]["vocab_size"] == 512 and config["data"]["source"] == "tokens"
+    got = losses(dp8_run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got[STEPS] < got[1] - 0.3, got
+
+
+def test_fsdp_tp_kill_and_resume_is_bitwise_identical(tokens_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = tokens_cmd(run_dir, tokens_corpus, "--mesh", FSDP_TP, faults=["kill@9"])
+    ok(run(cmd), -signal.SIGKILL)
+    ok(run(cmd))  # the fault fired once; resumes from the step-6 checkpoint
+    lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    first = {m["step"]: m["loss"] for m in lines if m["incarnation"] == 0}
+    second = {m["step"]: m["loss"] for m in lines if m["incarnation"] == 1}
+    assert sorted(first) == list(range(1, 9)) and sorted(second) == list(range(7, STEPS + 1))
+    assert [first[s] for s in (7, 8)] == [second[s] for s in (7, 8)]  # bitwise, same mesh
+    assert second[STEPS] < first[1] - 0.3
+
+
+def test_two_processes_read_the_same_global_batches(dp8_run, tokens_corpus, tmp_path):
+    """2 processes x 4 devices each read their half of every batch: the losses are those of the
+    one-process run (any missing, repeated or swapped row would change them)."""
+    run_dir = tmp_path / "run"
+    worker = tokens_cmd(run_dir, tokens_corpus, "--mesh", "dp8", "--set", "ckpt.every=0", steps=3)
+    launch = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2",
+              "--devices-per-proc", "4", "--no-spares", "--run-dir", str(run_dir), "--", *worker]  # fmt: skip
+    ok(run(launch, env=cpu_env(devices=None)))
+    two, one = losses(run_dir), losses(dp8_run)
+    assert sorted(two) == [1, 2, 3]
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=1e-5)
+
+
+def jaxpar(*args: str) -> str:
+    cmd = [sys.executable, "-m", "jaxpar.cli", *args]
+    return ok(run(cmd, env=cpu_env(devices=1), timeout=600)).stdout
+
+
+def test_greedy_sample_is_deterministic_and_continues_the_prompt(dp8_run):
+    prompt = "def dumps(obj"
+    args = ["sample", str(dp8_run), "--prompt", prompt, "--temperature", "0",
+            "--max-new-tokens", "20"]  # fmt: skip
+    first = jaxpar(*args)
+    assert first == jaxpar(*args)
+    assert first.startswith(prompt) and first.strip() != prompt
+
+
+def test_exported_parameters_give_the_checkpoints_eval_loss(dp8_run, tokens_corpus, tmp_path):
+    from jaxpar.export import config_path, load_model
+
+    out = str(tmp_path / "gpt.safetensors")
+    jaxpar("export", str(dp8_run), "--out", out)
+    meta = json.load(open(config_path(out)))
+    assert meta["step"] == STEPS and meta["model"]["vocab_size"] == 512
+    from safetensors.numpy import load_file
+
+    names = set(load_file(out))
+    assert {"tok_emb", "head", "blocks.w_qkv", "ln_f.scale"} <= names
+    assert not any("opt" in n or "mu" in n for n in names)  # parameters only
+    model = load_model(out)
+    source = data_lib.make_source("tokens", seq_len=64, path=tokens_corpus)
+    forward = jax.jit(lambda tokens: model(tokens))
+    got = []
+    for i in range(2):  # the run's eval: train.eval_batches=2 batches of 32 from the eval split
+        batch = data_lib.global_batch(source, step=i, global_batch=32, seed=0, split="eval")
+        logits = forward(batch["inputs"]).astype(np.float32)
+        got.append(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
+    (logged,) = [m["eval_loss"] for m in read_jsonl(dp8_run / "metrics.jsonl") if "eval_loss" in m]
+    np.testing.assert_allclose(float(np.mean(got)), logged, rtol=1e-5)
+
+
+USER_SOURCE = '''
+    """A user's own data source: counting sequences (token t+1 follows token t)."""
+    import numpy as np
+
+
+    class Counting:
+        name, kind = "counting", "lm"
+
+        def __init__(self, args):
+            self.seq_len, self.vocab_size, self.seed = args.seq_len, args.vocab_size, args.seed
+
+        def size(self, split):
+            return None  # keyed: any index is an example
+
+        def example(self, index, split):
+            rng = np.random.default_rng([self.seed, split == "eval", index])
+            w = (rng.integers(0, self.vocab_size) + np.arange(self.seq_len + 1)) % self.vocab_size
+            return {"inputs": w[:-1].astype(np.int32), "targets": w[1:].astype(np.int32)}
+'''
+
+
+def test_a_user_source_trains_without_jaxpar_changes(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_corpus.py").write_text(textwrap.dedent(USER_SOURCE))
+    env = cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(project), str(REPO),
+                                                    env.get("PYTHONPATH")) if p)  # fmt: skip
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(run_dir, "--set", "data.source=my_corpus:Counting", "--set", "ckpt.every=0",
+                    "--set", "train.eval_every=0", steps=8)  # fmt: skip
+    ok(run(cmd, env=env))
+    assert json.load(open(run_dir / "config.json"))["data"]["source"] == "my_corpus:Counting"
+    got = losses(run_dir)
+    assert got[8] < got[1] - 0.3, got

@@ -1,0 +1,124 @@
+"""The local snapshot tier under `jaxpar launch`, 2 processes x 2 CPU devices (smaller gpt_tiny):
+a worker SIGKILLed mid-run is restarted from the newest snapshot every process holds, and two
+"nodes" (two agents on this machine, each with its own local tier directory) survive the loss of
+one whole node — agent, workers and RAM — from the peer copy on the other node. Losses must equal
+an uninterrupted run of the same layout exactly.
+
+    python -m pytest tests/recovery/test_local_resume_2proc.py -m slow
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
+from launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
+
+from jaxpar import snapshot  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STEPS, EVERY = 12, 100  # persistent saves only at the end: restores must come from RAM
+WAIT = 600
+
+
+def _cmd():
+    return train_cmd(STEPS, EVERY, local_every=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    run = Launch(tmp_path_factory.mktemp("local2") / "ref",
+                 ["--nproc", "2", "--devices-per-proc", "2"], _cmd())  # fmt: skip
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    ref = losses(run.run_dir)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    return ref
+
+
+def assert_exact(run_dir, ref):
+    got = losses(run_dir)
+    assert sorted(got) == sorted(ref)
+    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
+    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
+
+
+def test_worker_killed_restores_from_local_tier(reference, tmp_path):
+    run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2",
+                                    "--fault", "kill@7:process=1"], _cmd())  # fmt: skip
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (restore,) = run.events("restore")
+    assert restore["tier"] == "local" and restore["step"] in (5, 6), restore
+    assert restore["incarnation"] == 1
+    assert_exact(run.run_dir, reference)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(run_dir: Path, roots: list[Path], faults: list[str]) -> list[Launch]:
+    common = ["--nproc", "1", "--devices-per-proc", "2", "--nnodes", "2",
+              "--coordinator", f"127.0.0.1:{_port()}"]  # fmt: skip
+    agents = []
+    for rank, root in enumerate(roots):
+        env = clean_env()
+        env["JAXPAR_LOCAL_DIR"] = str(root)  # this "host"'s RAM
+        args = [*common, "--node-rank", str(rank), *(faults if rank == 0 else [])]
+        agents.append(Launch(run_dir, args, _cmd(), env=env, name=f"node{rank}-{len(faults)}"))
+    return agents
+
+
+def _alive_with(run_dir: Path) -> list[int]:
+    target, out = os.path.abspath(run_dir), []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("JAXPAR_RUN_DIR") == target:
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def test_lost_host_restores_from_peer_copy(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    roots = [tmp_path / "ram0", tmp_path / "ram1"]
+    node0 = snapshot.node_dir(str(roots[0]), str(run_dir))
+    # node 0 (the leader's host) is lost at step 7: the job dies with it; it is then started
+    # again on a replacement host with empty RAM, as a scheduler requeueing the job would
+    agents = _two_nodes(run_dir, roots, ["--fault", "losthost@7:node=0"])
+    try:
+        codes = [a.proc.wait(timeout=WAIT) for a in agents]
+    finally:
+        for a in agents:
+            a.close()
+    assert codes[0] == -9 and codes[1] != 0, [a.output() for a in agents]
+    assert not os.path.exists(os.path.join(node0, "proc0")), "the lost host's RAM survived"
+    (fired,) = agents[0].events("fault_injected")
+    assert (fired["kind"], fired["node"], fired["step"]) == ("losthost", 0, 7)
+    assert not _alive_with(run_dir), "processes of the lost job are still running"
+    agents = _two_nodes(run_dir, roots, [])
+    try:
+        codes = [a.wait(WAIT) for a in agents]
+    finally:
+        for a in agents:
+            a.close()
+    assert codes == [0, 0], [a.output() for a in agents]
+    (restore,) = agents[0].events("restore")
+    assert restore["tier"] == "peer" and restore["fetched"] == [0], restore
+    assert restore["step"] in (5, 6)
+    assert_exact(run_dir, reference)

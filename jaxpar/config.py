@@ -372,6 +372,7 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
     "log.every": AT_LEAST_1,
     "ckpt.every": NON_NEGATIVE,
     "ckpt.keep": AT_LEAST_1,
+    "ckpt.local_every": Range(-1),  # -1: by state size, 0: off
     "run.max_wall_s": NON_NEGATIVE,
     "pipeline.schedule": ("gpipe", "circular"),
     "pipeline.microbatches": AT_LEAST_1,

@@ -56,8 +56,8 @@ def _bad_values(typ, key: str) -> list[str]:
     if typ is float:
         return ["abc", "nan", "inf", "-inf", "-1e9", "1e999", ""]
     if typ is str:
-        if key in ("name", "data.path"):
-            return []  # free text (a name; a folder only the tokens source reads)
+        if key in ("name", "data.path", "ckpt.local_dir"):
+            return []  # free text (a name; folders only some settings read)
         return ["bogus-value"]
     if typing.get_origin(typ) is tuple:
         return ["[0]", "abc", "[]x"]

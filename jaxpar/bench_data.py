@@ -104,13 +104,14 @@ def run(quick: bool, out_dir: str, cfg: TrainConfig, layout=None) -> dict:
         cfg = trainer.vocab_from_data(cfg)
         step_s = _step_time(cfg, layout, 3 if quick else 10)
         rates = [_source_rate(cfg, p, 10 if quick else 50) for p in PROCESSES]
+        seq_len = trainer.make_source(cfg).seq_len
     b = cfg.data.global_batch
     for r in rates:
         r["step_needs_examples_per_s"] = r["rows_per_step"] / step_s
         r["ratio"] = r["examples_per_s"] / r["step_needs_examples_per_s"]
     result = {
         "suite": "data", "recipe": cfg.name, "devices": jax.device_count(), "global_batch": b,
-        "seq_len": trainer.make_source(cfg).seq_len, "median_step_s": step_s, "prepare": prep,
+        "seq_len": seq_len, "median_step_s": step_s, "prepare": prep,
         "source": rates,
     }  # fmt: skip
     table = _table(

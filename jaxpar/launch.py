@@ -143,6 +143,22 @@ def initialize_from_env() -> bool:
     return True
 
 
+def barrier(name: str) -> None:
+    """Wait until every process of the jax.distributed job gets here (no-op without one).
+
+    The coordination service's barrier, not a collective: gloo gives the first collective over a
+    set of devices 30 s for every peer to join it, so a process that compiles much sooner than
+    its peers (a persistent-cache hit that only process 0 gets, a loaded host) fails there
+    unless they start it together. Waits up to the collective timeout (at least 300 s).
+    """
+    if not distributed_active():
+        return
+    from jax._src import distributed
+
+    timeout_s = max(300, timeouts_from_env()["shutdown_timeout_seconds"])
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+
+
 def _die_with_supervisor() -> None:
     """Ask Linux to SIGKILL this worker if its supervisor dies (no orphaned workers)."""
     parent = os.environ.get(ENV_SUPERVISOR_PID)

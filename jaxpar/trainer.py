@@ -437,6 +437,9 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
         multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
     mesh_text = str(MeshSpec(**dict(s.mesh.shape)))
+    warning = contract.unsharded_warning(s.program.param_logical)
+    if warning and s.run.is_writer:
+        print(f"jaxpar: {warning}", file=sys.stderr)
     s.run.event(
         W.START, nproc=jax.process_count(), mesh=mesh_text,
         warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
@@ -463,6 +466,7 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
             copy_program.result()
             s.run.event(W.LOCAL_TIER, **tier.describe())
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
+        launch.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         try:
             last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)

@@ -30,6 +30,7 @@ The pieces (none imports jax):
 
 from __future__ import annotations
 
+from jaxpar.mesh import mesh_text
 from jaxpar.supervisor.channel import Channel
 from jaxpar.supervisor.group import LocalGroup, LocalNode, Wakeup
 from jaxpar.supervisor.loop import Supervisor
@@ -42,7 +43,6 @@ from jaxpar.supervisor.policy import (
     backoff_s,
     classify_exit,
     find_stragglers,
-    mesh_text,
     root_exit,
     shrink_plan,
     worker_env,

@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxpar import launch as L
 from jaxpar import runlog
+from jaxpar.mesh import mesh_text
 from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
@@ -28,7 +29,6 @@ from jaxpar.supervisor.policy import (
     backoff_s,
     classify_exit,
     find_stragglers,
-    mesh_text,
     root_exit,
     secondary,
     shrink_plan,

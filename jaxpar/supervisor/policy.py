@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from jaxpar import launch as L
+from jaxpar.mesh import AXES, BATCH_AXES, HOST_AXES, batch_ways
 
 THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -83,11 +84,9 @@ def shrink_plan(
     batch (per process and per data-parallel way), with the mesh's batch axes (data, fsdp)
     shrunk and more gradient-accumulation microbatches so that each device still holds the same
     rows per microbatch. The global batch is kept. None if there is no such count."""
-    from jaxpar.mesh import AXES, BATCH_AXES
-
-    outer, inner = BATCH_AXES  # processes split the outer batch axis first (jaxpar.mesh)
+    outer, inner = HOST_AXES  # processes are laid along these batch axes, outer first
     fixed = math.prod(mesh.get(a, 1) for a in AXES if a not in BATCH_AXES)
-    old_ways = math.prod(mesh.get(a, 1) for a in BATCH_AXES)
+    old_ways = batch_ways(mesh)
     for n in range(available, min_nproc - 1, -1):
         devices = n * devices_per_proc
         if devices % fixed or global_batch % n:
@@ -106,12 +105,6 @@ def shrink_plan(
             m += 1
         return {"nproc": n, "mesh": dict(mesh, **{outer: ways // k, inner: k}), "microbatches": m}
     return None
-
-
-def mesh_text(mesh: dict[str, int]) -> str:
-    from jaxpar.mesh import AXES
-
-    return ",".join(f"{a}={mesh[a]}" for a in AXES if a in mesh)
 
 
 def find_stragglers(

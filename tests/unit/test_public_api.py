@@ -88,3 +88,11 @@ def test_progress_line_shows_the_loss_metrics():
     out = io.StringIO()
     Progress(3, enabled=True, stream=out).update(3, 0.5, 10.0, "samples", loss_metrics(line))
     assert "loss 0.5000 accuracy 0.7500 10 samples/s" in out.getvalue()
+
+
+def test_an_unannotated_model_is_warned_about():
+    from jaxpar.contract import unsharded_warning
+
+    assert "nothing is sharded" in unsharded_warning({"w": None, "b": {"x": None}})
+    assert "nothing is sharded" in unsharded_warning({"w": (None, None)})
+    assert unsharded_warning({"w": ("embed", None), "b": None}) is None

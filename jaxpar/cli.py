@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.set_defaults(func=cmd_inspect)
     ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
     ben.add_argument(
-        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision | data"
+        "suite",
+        help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision | data",
     )
     ben.add_argument("--recipe", default="gpt_tiny")
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")

@@ -101,3 +101,20 @@ def flops_per_step(model_cfg: Any, kind: str, global_batch: int, seq_len: int) -
 
 def num_params(model_cfg: Any) -> int | None:
     return model_cfg.num_params() if isinstance(model_cfg, CountsParams) else None
+
+
+def unsharded_warning(param_logical: Any) -> str | None:
+    """A warning when no parameter of the model names its dimensions (nothing can be sharded).
+
+    `param_logical`: pytree of parameter path -> logical names (None where the model gave none).
+    """
+    import jax  # noqa: PLC0415 - this module stays importable without jax
+
+    names = jax.tree.leaves(param_logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    if any(n is not None and any(a is not None for a in n) for n in names):
+        return None
+    return (
+        "warning: no parameter of the model names its dimensions, so nothing is sharded: every "
+        "device holds the whole model and optimizer state (data parallelism only). Annotate "
+        "parameters with nnx.with_partitioning(init, names) (docs/model_contract.md)"
+    )

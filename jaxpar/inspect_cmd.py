@@ -9,7 +9,7 @@ import math
 
 import jax
 
-from jaxpar import collectives
+from jaxpar import collectives, contract
 from jaxpar.config import TrainConfig
 from jaxpar.parallel import pipeline
 from jaxpar.rules import Preset
@@ -90,6 +90,7 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
         f"# {cfg.name} on mesh {dict(s.mesh.shape)} ({jax.device_count()} devices, "
         f"{jax.devices()[0].platform})",
         "",
+        *([w, ""] if (w := contract.unsharded_warning(s.program.param_logical)) else []),
         "| parameter | logical axes | PartitionSpec | global shape | bytes/device |",
         "|---|---|---|---|---|",
     ]

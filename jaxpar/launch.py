@@ -35,6 +35,7 @@ EXIT_COLLECTIVE = 43  # a collective / coordination error: a peer is gone, exit 
 EXIT_NAN = 44  # a non-finite loss was detected inside the step: roll back to the last checkpoint
 EXIT_REPLICA = 45  # data-parallel replicas disagree: restart from the last good checkpoint
 EXIT_USAGE = 2  # a usage or configuration error: the supervisor does not restart it
+EXIT_NO_SPACE = 46  # the run directory's disk is full (ENOSPC): restarting cannot help
 
 # The environment `jaxpar launch` gives each worker.
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # HOST:PORT of process 0's coordinator, fresh each time
@@ -140,6 +141,22 @@ def initialize_from_env() -> bool:
         jax.distributed.initialize(cluster_detection_method=kind, **kwargs)
     install_stack_dump()
     return True
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the jax.distributed job gets here (no-op without one).
+
+    The coordination service's barrier, not a collective: gloo gives the first collective over a
+    set of devices 30 s for every peer to join it, so a process that compiles much sooner than
+    its peers (a persistent-cache hit that only process 0 gets, a loaded host) fails there
+    unless they start it together. Waits up to the collective timeout (at least 300 s).
+    """
+    if not distributed_active():
+        return
+    from jax._src import distributed
+
+    timeout_s = max(300, timeouts_from_env()["shutdown_timeout_seconds"])
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
 
 
 def _die_with_supervisor() -> None:

@@ -123,6 +123,7 @@ def test_command_parses_with_jaxpar_launch(jobset, index, tmp_path):
     name, rjob = jobset["metadata"]["name"], jobset["spec"]["replicatedJobs"][0]["name"]
     subdomain = jobset["spec"]["network"].get("subdomain", name)
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
+    assert opts.bind_host == "0.0.0.0"  # pod 0's own service name may not resolve at its start
     host, port = opts.coordinator.rsplit(":", 1)
     assert host == f"{name}-{rjob}-0-0.{subdomain}"
     assert int(port) in [p["containerPort"] for p in container["ports"]]

@@ -88,3 +88,25 @@ def test_progress_line_shows_the_loss_metrics():
     out = io.StringIO()
     Progress(3, enabled=True, stream=out).update(3, 0.5, 10.0, "samples", loss_metrics(line))
     assert "loss 0.5000 accuracy 0.7500 10 samples/s" in out.getvalue()
+
+
+def test_an_unannotated_model_is_warned_about():
+    from jaxpar.contract import unsharded_warning
+
+    assert "nothing is sharded" in unsharded_warning({"w": None, "b": {"x": None}})
+    assert "nothing is sharded" in unsharded_warning({"w": (None, None)})
+    assert unsharded_warning({"w": ("embed", None), "b": None}) is None
+
+
+def test_a_shorter_partition_spec_leaves_the_last_dimensions_unnamed(devices8):
+    import pytest
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar import build_mesh
+    from jaxpar.rules import PARAM_RULES, named_sharding
+
+    mesh = build_mesh("data=2,tensor=4", devices8)
+    sh = named_sharding("w", (16, 8, 4), P(None, "mlp"), PARAM_RULES, mesh)
+    assert sh.spec == P(None, "tensor", None)
+    with pytest.raises(ValueError, match="3 logical names"):
+        named_sharding("b", (16, 8), (None, "mlp", None), PARAM_RULES, mesh)

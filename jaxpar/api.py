@@ -268,17 +268,43 @@ def fit(
 
 def run_worker(fn: Callable[[], int | None]) -> int:
     """Run `fn` as a jaxpar worker and return its exit code (see `entrypoint`)."""
+    try:
+        return _run_worker(fn)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves on it)
+        print("jaxpar: interrupted; nothing more was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def _run_worker(fn: Callable[[], int | None]) -> int:
     launch.configure_devices()
     launch.initialize_from_env()
-    from jaxpar.checkpoint import CheckpointMismatch, Preempted, ReplicaMismatch
+    from jaxpar import rundir
+    from jaxpar.checkpoint import (
+        CheckpointMismatch,
+        Preempted,
+        ReplicaMismatch,
+        disk_full_path,
+        is_disk_full,
+    )
     from jaxpar.faults import NonFiniteLoss
+    from jaxpar.trainer import NothingToDo
 
     # guard(): any other error in a multi-process job exits at once (EXIT_COLLECTIVE for a
     # collective error) instead of waiting in jax's shutdown barrier for a dead peer.
     with launch.guard():
         try:
             return fn() or 0
+        except NothingToDo as e:
+            print(f"jaxpar: {e}", file=sys.stderr)
+            return 0
         except Preempted as e:
+            if e.interrupted and not os.environ.get(launch.ENV_SUPERVISED):
+                resume = rundir.resume_command(e.run_dir) if e.run_dir else ""
+                print(f"jaxpar: {e}; resume with: {resume}", file=sys.stderr)
+                return EXIT_INTERRUPTED
             print(f"jaxpar: {e}", file=sys.stderr)
             return launch.EXIT_PREEMPTED
         except NonFiniteLoss as e:
@@ -287,9 +313,19 @@ def run_worker(fn: Callable[[], int | None]) -> int:
         except ReplicaMismatch as e:
             print(f"jaxpar: {e}", file=sys.stderr)
             return launch.EXIT_REPLICA
-        except (CheckpointMismatch, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return launch.EXIT_USAGE
+        except Exception as e:
+            if is_disk_full(e):  # one line, not orbax's tracebacks; restarting cannot help
+                where = disk_full_path(e, os.environ.get(launch.ENV_RUN_DIR) or os.getcwd())
+                print(
+                    f"jaxpar: no space left on device (ENOSPC) writing {where}; free space "
+                    f"there and rerun the same command (committed checkpoints are intact)",
+                    file=sys.stderr,
+                )
+                return launch.EXIT_NO_SPACE
+            if isinstance(e, CheckpointMismatch | ValueError):  # also RunDirLocked, bad config
+                print(f"error: {e}", file=sys.stderr)
+                return launch.EXIT_USAGE
+            raise
 
 
 def entrypoint(fn: Callable[[], int | None]) -> None:

@@ -1,11 +1,22 @@
 """`jaxpar bench SUITE`: measured side by side in one run, reported as medians and ratios.
 
-    jaxpar bench overhead [--quick] [--recipe gpt_tiny] [--out bench-results]
-    jaxpar bench meshes   [--quick]
-    jaxpar bench precision [--quick] [--recipe gpt_tiny]   (fp32 vs bf16, remat off vs on)
+    jaxpar bench SUITE [--quick] [--recipe gpt_tiny] [--set key=value ...] [--out bench-results]
 
-Each suite prints a markdown table and writes SUITE.json into --out. Other suites (checkpoint,
-recovery, pipeline, comm, precision) register in SUITES from their own modules.
+Each suite measures the recipe given with --recipe (default gpt_tiny) and --set, prints a markdown
+table, writes OUT/SUITE.json and prints that path. `jaxpar bench --help` lists the suites.
+
+Adding a suite. Write, in its own module, a function taking one `Bench` and returning the result
+dict, which ends with `b.write(...)`:
+
+    def run(b: Bench) -> dict:
+        cfg = b.cfg                      # the recipe with --set applied; b.quick, b.out_dir
+        ...
+        return b.write("mysuite", result, table(["column", ...], rows))
+
+then register it with one line below (the module is imported only when the suite runs, so this
+module, and `jaxpar bench --help`, import no jax):
+
+    register("mysuite", "jaxpar.bench_mine:run", "what it measures", "~1 min (quick ~10 s)")
 """
 
 from __future__ import annotations
@@ -13,165 +24,119 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
+if TYPE_CHECKING:
+    from jaxpar.config import TrainConfig
+    from jaxpar.rules import Preset
 
-from jaxpar import bench_plain, collectives
-from jaxpar import data as data_lib
-from jaxpar.config import TrainConfig
-from jaxpar.rules import Preset
-from jaxpar.step import make_optimizer
-from jaxpar.trainer import compile_step, device_batch, setup
+DEFAULT_RECIPE = "gpt_tiny"
 
 
-def _write(out_dir: str, suite: str, result: dict, table: str) -> dict:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{suite}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(table)
-    return result
+@dataclass(frozen=True)
+class Bench:
+    """What every suite gets: the recipe, quick or full, where to write, and mesh layouts."""
+
+    cfg: TrainConfig  # the recipe with the --set overrides applied
+    quick: bool = False
+    out_dir: str = "bench-results"
+    recipe: str = DEFAULT_RECIPE  # as given with --recipe (suites that start `python -m train`)
+    overrides: tuple[str, ...] = ()  # as given with --set
+    layout: Callable[[str], Preset] | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(
+        cls, recipe: str = DEFAULT_RECIPE, overrides=(), quick: bool = False, **kw: Any
+    ) -> Bench:
+        from jaxpar.config import apply_overrides, resolve_recipe
+
+        cfg = apply_overrides(resolve_recipe(recipe), list(overrides))
+        return cls(cfg, quick, recipe=recipe, overrides=tuple(overrides), **kw)
+
+    @property
+    def default_recipe(self) -> bool:
+        """The recipe is the default one, unchanged (suites may scale it to the device)."""
+        return self.recipe == DEFAULT_RECIPE and not self.overrides
+
+    def preset(self, spec: str) -> Preset:
+        """The layout of a mesh spec (e.g. "data=-1") with the recipe's rules."""
+        if self.layout is not None:
+            return self.layout(spec)
+        from jaxpar.mesh import MeshSpec
+        from jaxpar.rules import Preset
+
+        return Preset(MeshSpec.parse(spec))
+
+    def path(self, name: str) -> str:
+        os.makedirs(self.out_dir, exist_ok=True)
+        return os.path.join(self.out_dir, name)
+
+    def write(self, suite: str, result: dict, table: str) -> dict:
+        """Print the table, write OUT/SUITE.json, print where; returns `result`."""
+        path = self.path(f"{suite}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(table)
+        print(f"\nwrote {path}")
+        return result
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(header: list[str], rows: list[list], align: str | None = None) -> str:
+    """A markdown table; `align` is one markdown separator cell per column (default "---")."""
+    cells = align.split("|") if align else ["---"] * len(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "".join(f"{c}|" for c in cells)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
-# ---- overhead ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Suite:
+    target: str  # "module:function", the function taking a Bench
+    help: str
+    duration: str  # rough, full run (quick run) on a 2-core CPU host with 8 simulated devices
 
 
-def overhead(cfg: TrainConfig, quick: bool, out_dir: str, layout: Callable[[str], Preset]) -> dict:
-    """jaxpar's loop step (batch from the data pipeline + compiled step + metrics) vs a plain
-    jitted step of the same model and optimizer fed a ready batch; same mesh (all devices, DP)."""
-    if not hasattr(cfg.model, "n_layers"):
-        raise ValueError("bench overhead compares a GPT recipe against the plain JAX GPT step")
-    reps = 6 if quick else 30
-    with tempfile.TemporaryDirectory() as tmp:
-        s = setup(cfg, layout("data=-1"), tmp)
-        compiled, _ = compile_step(s)
-        state = s.program.init()
-        tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
-        mesh = Mesh(np.asarray(jax.devices()), ("batch",))
-        plain_step, batch_sh = bench_plain.make_step(mesh, tx)
-        params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-        p_params = jax.device_put(
-            params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        )
-        p_opt = jax.jit(tx.init)(p_params)
-        poison = jax.device_put(np.float32(1.0), s.program.state_shardings["step"])
-        ours, plain, losses = [], [], []
-        for i in range(reps + 2):  # 2 warm-up iterations each, then interleaved repetitions
-            t0 = time.perf_counter()
-            batch = device_batch(s, i)
-            state, m = compiled(state, batch, poison)
-            loss_ours = float(jax.device_get(m["loss"]))
-            t1 = time.perf_counter()
-            host = data_lib.host_batch(
-                s.source, step=i, global_batch=cfg.data.global_batch, seed=cfg.data.seed
-            )
-            tok = jax.device_put(host["inputs"], batch_sh)
-            tgt = jax.device_put(host["targets"], batch_sh)
-            p_params, p_opt, loss_plain = plain_step(p_params, p_opt, tok, tgt)
-            loss_plain = float(loss_plain)
-            t2 = time.perf_counter()
-            if i >= 2:
-                ours.append(t1 - t0)
-                plain.append(t2 - t1)
-            losses.append((loss_ours, loss_plain))
-    ratio = float(np.median(ours) / np.median(plain))
-    result = {
-        "suite": "overhead", "recipe": cfg.name, "devices": jax.device_count(), "reps": reps,
-        "median_step_s_jaxpar": float(np.median(ours)), "median_step_s_plain": float(np.median(plain)),
-        "ratio": ratio, "max_loss_diff": float(max(abs(a - b) for a, b in losses)),
-    }  # fmt: skip
-    table = _table(
-        ["step", "median s (jaxpar)", "median s (plain jax.jit)", "ratio", "max loss diff"],
-        [[cfg.name, f"{result['median_step_s_jaxpar']:.4f}", f"{result['median_step_s_plain']:.4f}",
-          f"{ratio:.3f}", f"{result['max_loss_diff']:.2e}"]],
-    )  # fmt: skip
-    return _write(out_dir, "overhead", result, table)
+SUITES: dict[str, Suite] = {}
 
 
-# ---- meshes -----------------------------------------------------------------------------------
+def register(name: str, target: str, help: str, duration: str) -> None:
+    """Add a suite: `jaxpar bench NAME` calls `target` (module:function) with a Bench."""
+    if name in SUITES:
+        raise ValueError(f"bench suite {name!r} is registered twice")
+    SUITES[name] = Suite(target, help, duration)
 
-MESH_LAYOUTS = (
-    ("data=1", 1), ("data=2", 2), ("data=4", 4), ("data=8", 8), ("fsdp=8,data=1", 8),
-    ("data=2,tensor=4", 8), ("data=4,tensor=2", 8), ("data=2,fsdp=2,tensor=2", 8),
-)  # fmt: skip
+
+# fmt: off
+register("overhead", "jaxpar.bench_step:overhead", "jaxpar's loop step vs a plain jax.jit step of the same GPT", "~1 min (quick ~30 s)")
+register("meshes", "jaxpar.bench_step:meshes", "throughput and collective bytes per mesh layout on 1..8 devices", "~5 min (quick ~1 min)")
+register("checkpoint", "jaxpar.bench_checkpoint:run", "async vs sync save blocking, and the throughput cost of saving", "~3 min (quick ~1 min)")
+register("recovery", "jaxpar.bench_recovery:run", "restart time (spares + compile cache vs cold), goodput under kills", "~40 min (quick ~6 min)")
+register("pipeline", "jaxpar.bench_pipeline:run", "GPipe and circular schedules: step time and bubble vs prediction", "~10 min (quick ~2 min)")
+register("comm", "jaxpar.bench_comm:run", "gradient all-reduce fp32 / bf16 / int8 / DiLoCo: bytes and loss", "~5 min (quick ~1 min)")
+register("precision", "jaxpar.bench_precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")
+register("data", "jaxpar.bench_data:run", "tokens source: prepare speed, examples/s per process vs what a step consumes", "~5 min (quick ~1 min)")
+# fmt: on
 
 
-def meshes(cfg: TrainConfig, quick: bool, out_dir: str, layout: Callable[[str], Preset]) -> dict:
-    """Throughput and collective bytes per step for each layout on 1..8 devices."""
-    steps = 3 if quick else 12
-    layouts = MESH_LAYOUTS[:2] + MESH_LAYOUTS[3:4] if quick else MESH_LAYOUTS
-    rows, out = [], []
-    for spec, n in layouts:
-        if n > jax.device_count():
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            s = setup(cfg, layout(spec), tmp, devices=jax.devices()[:n])
-            compiled, seconds = compile_step(s)
-            colls = collectives.audit(compiled, s.mesh)
-            state = s.program.init()
-            poison = jax.device_put(np.float32(1.0), s.program.state_shardings["step"])
-            times = []
-            for i in range(steps + 1):
-                batch = device_batch(s, i)
-                t0 = time.perf_counter()
-                state, m = compiled(state, batch, poison)
-                jax.block_until_ready(m)
-                if i:
-                    times.append(time.perf_counter() - t0)
-        step_s = float(np.median(times))
-        unit = cfg.data.global_batch * getattr(s.source, "seq_len", 1)
-        rec = {
-            "mesh": spec, "devices": n, "median_step_s": step_s, "per_s": unit / step_s,
-            "collective_bytes": collectives.total_bytes(colls), "compile_s": seconds,
-            "collectives": collectives.tally(colls),
-        }  # fmt: skip
-        out.append(rec)
-        rows.append(
-            [spec, n, f"{step_s:.4f}", f"{rec['per_s']:,.0f}", f"{rec['collective_bytes']:,}"]
-        )
-    unit_name = "tokens/s" if s.source.kind == "lm" else "samples/s"
-    table = _table(
-        ["mesh", "devices", "median step s", unit_name, "collective bytes/step/device"], rows
+def describe() -> str:
+    """One line per suite, for `jaxpar bench --help`."""
+    width = max(map(len, SUITES))
+    return "\n".join(
+        f"  {name:<{width}}  {s.help} [{s.duration}]" for name, s in sorted(SUITES.items())
     )
-    return _write(out_dir, "meshes", {"suite": "meshes", "recipe": cfg.name, "layouts": out}, table)
 
 
-# Suites provided by other modules: name -> "module:function" with signature (quick, out_dir).
-EXTERNAL = {
-    "checkpoint": "jaxpar.bench_checkpoint:run",
-    "recovery": "jaxpar.bench_recovery:run",
-    "pipeline": "jaxpar.bench_pipeline:run",
-    "comm": "jaxpar.bench_comm:run",
-    "precision": "jaxpar.bench_precision:run",
-    "data": "jaxpar.bench_data:run",
-}
-# External suites that measure the recipe given with --recipe / --set.
-TAKES_RECIPE = ("precision", "data")
-SUITES = ("overhead", "meshes", *EXTERNAL)
-
-
-def run_suite(name: str, cfg: TrainConfig, quick: bool, out_dir: str, layout) -> dict:
-    if name == "overhead":
-        return overhead(cfg, quick, out_dir, layout)
-    if name == "meshes":
-        return meshes(cfg, quick, out_dir, layout)
-    if name not in EXTERNAL:
-        raise ValueError(f"unknown bench suite {name!r}; use one of {SUITES}")
-    mod_name, fn_name = EXTERNAL[name].split(":")
+def run_suite(name: str, b: Bench) -> dict:
+    """Run one suite; ValueError for an unknown or unavailable one."""
+    if name not in SUITES:
+        raise ValueError(f"unknown bench suite {name!r}; use one of {', '.join(sorted(SUITES))}")
+    mod_name, fn_name = SUITES[name].target.split(":")
     try:
         mod = importlib.import_module(mod_name)
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as e:
+        if e.name != mod_name:
+            raise
         raise ValueError(f"bench suite {name!r} is not available in this version") from None
-    if name in TAKES_RECIPE:
-        return getattr(mod, fn_name)(quick=quick, out_dir=out_dir, cfg=cfg)
-    return getattr(mod, fn_name)(quick=quick, out_dir=out_dir)
+    return getattr(mod, fn_name)(b)

@@ -7,14 +7,14 @@
    async save (waited for at the block's end, so all its work is counted), alternated ABBA so
    load drift hits both alike: tokens/s with a save every N steps vs none.
 
-The full benchmark is a GPT (gpt_tiny with d_model=512, d_mlp=2048: ~12.7M parameters, a
-~150 MB state with Adam's moments) on all devices along `data`; `quick` uses gpt_tiny (~10 MB)
-and a few steps. Writes OUT_DIR/checkpoint.json and prints a markdown table.
+The recipe is --recipe's (global batch 8), on all devices along `data`. The full benchmark of
+the default recipe scales it to d_model=512, d_mlp=2048 (~12.7M parameters, a ~150 MB state with
+Adam's moments); `quick` takes the recipe as it is (gpt_tiny: ~10 MB) and a few steps. Writes
+OUT_DIR/checkpoint.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -25,24 +25,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-FULL = {
-    "overrides": [
-        "model.d_model=512", "model.n_heads=8", "model.n_layers=4", "model.d_mlp=2048",
-        "data.global_batch=8",
-    ],
-    "saves": 5, "rounds": 4, "every": 5,
-}  # fmt: skip
+from jaxpar.bench import Bench, table
+
+FULL = {"overrides": ["data.global_batch=8"], "saves": 5, "rounds": 4, "every": 5}
 QUICK = {"overrides": ["data.global_batch=8"], "saves": 3, "rounds": 2, "every": 3}
+# The default recipe scaled up for the full benchmark (a state worth measuring).
+SCALE_UP = ["model.d_model=512", "model.n_heads=8", "model.n_layers=4", "model.d_mlp=2048"]
 
 
-def _session(overrides: list[str], steps: int, run_dir: str):
+def _session(b: Bench, overrides: list[str], steps: int, run_dir: str):
     from jaxpar import trainer
-    from jaxpar.config import apply_overrides, resolve_recipe
-    from jaxpar.mesh import MeshSpec
-    from jaxpar.rules import Preset
+    from jaxpar.config import apply_overrides
 
-    cfg = apply_overrides(resolve_recipe("gpt_tiny"), [f"train.steps={steps}", *overrides])
-    return trainer.setup(cfg, Preset(MeshSpec.parse("")), run_dir, incarnation=0)
+    cfg = apply_overrides(b.cfg, [f"train.steps={steps}", *overrides])
+    return trainer.setup(cfg, b.preset(""), run_dir, incarnation=0)
 
 
 def _checkpointer(run, use_async: bool):
@@ -124,7 +120,7 @@ def measure_throughput(s, state, rounds: int, every: int) -> tuple[dict, dict]:
     return result, state
 
 
-def table(r: dict) -> str:
+def report(r: dict) -> str:
     rows = [
         ("state", f"{r['state_mb']:.1f} MB on {r['devices']} devices ({r['mesh']})"),
         ("save() blocking, async (median)", f"{r['async_blocking_s'] * 1e3:.1f} ms"),
@@ -138,21 +134,22 @@ def table(r: dict) -> str:
         ),
         ("throughput cost of saving", f"{r['throughput_cost'] * 100:.1f}%"),
     ]
-    lines = ["| checkpoint | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
-    return "\n".join(lines)
+    return table(["checkpoint", "value"], [list(r) for r in rows])
 
 
-def run(quick: bool, out_dir: str) -> dict:
+def run(b: Bench) -> dict:
     """Run the checkpoint benchmark; print a markdown table, write OUT_DIR/checkpoint.json."""
-    plan = QUICK if quick else FULL
-    os.makedirs(out_dir, exist_ok=True)
-    work = os.path.join(out_dir, "checkpoint-bench")
-    s = _session(plan["overrides"], 2 * plan["rounds"] * plan["every"] + 1, work)
+    plan = QUICK if b.quick else FULL
+    overrides = plan["overrides"] + (SCALE_UP if b.default_recipe and not b.quick else [])
+    work = b.path("checkpoint-bench")
+    s = _session(b, overrides, 2 * plan["rounds"] * plan["every"] + 1, work)
     state = s.program.init()
     jax.block_until_ready(state)
     result = {
-        "quick": quick,
-        "overrides": plan["overrides"],
+        "suite": "checkpoint",
+        "recipe": b.cfg.name,
+        "quick": b.quick,
+        "overrides": overrides,
         "state_mb": _state_bytes(state) / 2**20,
         "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))),
         "devices": jax.device_count(),
@@ -164,7 +161,5 @@ def run(quick: bool, out_dir: str) -> dict:
     result.update(throughput)
     shutil.rmtree(work, ignore_errors=True)  # checkpoints of a benchmark are not kept
     if jax.process_index() == 0:
-        with open(os.path.join(out_dir, "checkpoint.json"), "w") as f:
-            json.dump(result, f, indent=2)
-        print(table(result))
+        b.write("checkpoint", result, report(result))
     return result

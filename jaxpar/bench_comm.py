@@ -1,8 +1,8 @@
 """`jaxpar bench comm`: bytes over `data` per step and loss after N steps, per gradient option.
 
-    jaxpar bench comm [--quick]
+    jaxpar bench comm [--quick] [--recipe gpt_tiny]
 
-gpt_tiny on all devices as data parallel: fp32 all-reduce, bf16 and int8 compressed means (with
+The recipe on all devices as data parallel: fp32 all-reduce, bf16 and int8 compressed means (with
 error feedback), and DiLoCo with H in {1, 4, 16} inner steps. Bytes are the ring / pairwise
 bytes each device sends over `data`, read from the compiled programs (HLO audit).
 """
@@ -10,8 +10,6 @@ bytes each device sends over `data`, read from the compiled programs (HLO audit)
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import tempfile
 
 import jax
@@ -19,9 +17,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import collectives
-from jaxpar.config import CommConfig, resolve_recipe
-from jaxpar.mesh import MeshSpec
-from jaxpar.rules import Preset
+from jaxpar.bench import Bench, table
+from jaxpar.config import CommConfig
 from jaxpar.trainer import compile_step, device_batch, setup
 
 OPTIONS = (
@@ -34,9 +31,9 @@ OPTIONS = (
 )
 
 
-def _measure(cfg, steps: int) -> tuple[float, float, float]:
+def _measure(b: Bench, cfg, steps: int) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        s = setup(cfg, Preset(MeshSpec.parse("data=-1")), tmp)
+        s = setup(cfg, b.preset("data=-1"), tmp)
         compiled, _ = compile_step(s)
         data = ("data",)
         per_step = collectives.total_wire_bytes(collectives.audit(compiled, s.mesh), data)
@@ -56,10 +53,10 @@ def _measure(cfg, steps: int) -> tuple[float, float, float]:
     return per_step, loss, eval_loss
 
 
-def run(quick: bool = False, out_dir: str = "bench-results") -> dict:
-    steps = 8 if quick else 96  # a multiple of every H, so DiLoCo ends on a sync
-    base = resolve_recipe("gpt_tiny")
-    options = OPTIONS[:3] + OPTIONS[4:5] if quick else OPTIONS
+def run(b: Bench) -> dict:
+    steps = 8 if b.quick else 96  # a multiple of every H, so DiLoCo ends on a sync
+    base = b.cfg
+    options = OPTIONS[:3] + OPTIONS[4:5] if b.quick else OPTIONS
     rows = []
     for name, comm in options:
         cfg = dataclasses.replace(
@@ -67,24 +64,16 @@ def run(quick: bool = False, out_dir: str = "bench-results") -> dict:
             comm=dataclasses.replace(CommConfig(), **comm),
             train=dataclasses.replace(base.train, steps=steps),
         )
-        per_step, loss, eval_loss = _measure(cfg, steps)
+        per_step, loss, eval_loss = _measure(b, cfg, steps)
         rows.append({"option": name, "bytes_per_step": per_step, "train_loss": loss,
                      "eval_loss": eval_loss})  # fmt: skip
     ref = rows[0]["bytes_per_step"]
-    lines = [
-        f"gpt_tiny, {jax.device_count()} devices data parallel, {steps} steps",
-        "",
-        "| option | bytes sent over data per step | vs fp32 | train loss | eval loss (anchor) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['option']} | {r['bytes_per_step']:,.0f} | {r['bytes_per_step'] / ref:.3f} | "
-            f"{r['train_loss']:.4f} | {r['eval_loss']:.4f} |"
-        )
-    result = {"suite": "comm", "steps": steps, "devices": jax.device_count(), "rows": rows}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "comm.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print("\n".join(lines))
-    return result
+    header = ["option", "bytes sent over data per step", "vs fp32", "train loss",
+              "eval loss (anchor)"]  # fmt: skip
+    cells = [[r["option"], f"{r['bytes_per_step']:,.0f}", f"{r['bytes_per_step'] / ref:.3f}",
+              f"{r['train_loss']:.4f}", f"{r['eval_loss']:.4f}"] for r in rows]  # fmt: skip
+    text = f"{base.name}, {jax.device_count()} devices data parallel, {steps} steps\n\n"
+    text += table(header, cells, "---|---:|---:|---:|---:")
+    result = {"suite": "comm", "recipe": base.name, "steps": steps,
+              "devices": jax.device_count(), "rows": rows}  # fmt: skip
+    return b.write("comm", result, text)

@@ -28,17 +28,13 @@ import numpy as np
 
 from jaxpar import data as data_lib
 from jaxpar import trainer
+from jaxpar.bench import Bench, table
 from jaxpar.config import TrainConfig
 
 QUICK_PACKAGES = ("json", "email")
 FULL_PACKAGES = (*QUICK_PACKAGES, "asyncio", "concurrent", "importlib", "logging", "multiprocessing",
                  "unittest", "xml", "http", "urllib", "tomllib", "sqlite3", "zoneinfo")  # fmt: skip
 PROCESSES = (1, 2, 4, 8)
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def _prepare(out: str, quick: bool) -> dict:
@@ -90,11 +86,8 @@ def _step_time(cfg: TrainConfig, layout, steps: int) -> float:
     return float(np.median(times))
 
 
-def run(quick: bool, out_dir: str, cfg: TrainConfig, layout=None) -> dict:
-    from jaxpar.bench import _write
-    from jaxpar.cli import _layout
-
-    layout = layout or (lambda text: _layout(text, cfg.mesh))
+def run(bench: Bench) -> dict:
+    cfg, quick, layout = bench.cfg, bench.quick, bench.preset
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus")
         prep = _prepare(corpus, quick)
@@ -114,16 +107,17 @@ def run(quick: bool, out_dir: str, cfg: TrainConfig, layout=None) -> dict:
         "seq_len": seq_len, "median_step_s": step_s, "prepare": prep,
         "source": rates,
     }  # fmt: skip
-    table = _table(
+    text = table(
         ["processes", "rows/process/step", "bytes read/process/step", "source examples/s",
          "step consumes examples/s", "ratio"],
         [[r["processes"], r["rows_per_step"], f"{r['bytes_per_step']:,.0f}",
           f"{r['examples_per_s']:,.0f}", f"{r['step_needs_examples_per_s']:,.1f}",
           f"{r['ratio']:,.0f}"] for r in rates],
+        "|".join(["---:"] * 6),
     )  # fmt: skip
-    table += (
+    text += (
         f"\n\nprepare: {prep['input_mb']:.2f} MB ({prep['files']} files, {prep['tokens']:,} "
         f"tokens) in {prep['seconds']:.2f} s = {prep['mb_per_s']:.2f} MB/s; encoding alone "
         f"{prep['encode_mb_per_s']:.2f} MB/s. Step: median {step_s:.4f} s for {b} rows."
     )
-    return _write(out_dir, "data", result, table)
+    return bench.write("data", result, text)

@@ -1,9 +1,9 @@
 """`jaxpar bench pipeline`: step time and bubble of the GPipe and circular schedules, measured in
 one run, against the predicted (p − 1)/(m + p − 1).
 
-    jaxpar bench pipeline [--quick] [--out bench-results]
+    jaxpar bench pipeline [--quick] [--recipe gpt_tiny] [--out bench-results]
 
-gpt_tiny with 8 layers on p ∈ {2, 4} stages (a pure pipeline on p devices), m ∈ {1, 2, 4, 8}
+The recipe (a model with n_layers; default gpt_tiny) with 8 layers on p ∈ {2, 4} stages (a pure pipeline on p devices), m ∈ {1, 2, 4, 8}
 microbatches of a fixed size (2 rows), GPipe and circular with v = 2. Prints a markdown table
 and writes pipeline.json and pipeline.png into --out. --quick: p = 2, m ∈ {1, 2, 4}.
 
@@ -21,7 +21,6 @@ the host's cores, so absolute times show no pipeline speed-up; the bubble is wha
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -31,7 +30,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import PipelineConfig, TrainConfig, resolve_recipe
+from jaxpar.bench import Bench, table
+from jaxpar.config import PipelineConfig, TrainConfig
 from jaxpar.mesh import MeshSpec
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.rules import Preset
@@ -103,12 +103,12 @@ def analyse(rows: list[dict]) -> list[dict]:
     return fits
 
 
-def run(quick: bool = False, out_dir: str = "bench-results") -> dict:
+def run(b: Bench) -> dict:
     """Measure every (p, m, schedule) in one run; write pipeline.json, pipeline.png; print a table."""
-    base = resolve_recipe("gpt_tiny")
-    stages = (2,) if quick else (2, 4)
-    micro = (1, 2, 4) if quick else (1, 2, 4, 8)
-    rounds = 4 if quick else 10  # the fastest step is fitted: least disturbed by other load
+    base = b.cfg
+    stages = (2,) if b.quick else (2, 4)
+    micro = (1, 2, 4) if b.quick else (1, 2, 4, 8)
+    rounds = 4 if b.quick else 10  # the fastest step is fitted: least disturbed by other load
     rows = []
     for p in stages:
         for schedule, v in SCHEDULES:
@@ -122,6 +122,8 @@ def run(quick: bool = False, out_dir: str = "bench-results") -> dict:
                 })  # fmt: skip
     fits = analyse(rows)
     result = {
+        "suite": "pipeline",
+        "recipe": base.name,
         "model": f"{base.name} with {LAYERS} layers",
         "rows_per_microbatch": ROWS_PER_MICROBATCH,
         "devices": f"{jax.devices()[0].platform} x {max(stages)}",
@@ -130,29 +132,21 @@ def run(quick: bool = False, out_dir: str = "bench-results") -> dict:
         "rows": rows,
         "fits": fits,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "pipeline.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    _plot(rows, os.path.join(out_dir, "pipeline.png"))
-    print(_table(rows, fits))
-    print(f"host: {os.cpu_count()} CPUs, load average {result['load_average_1m']:.1f}")
-    return result
+    _plot(rows, b.path("pipeline.png"))
+    host = f"host: {os.cpu_count()} CPUs, load average {result['load_average_1m']:.1f}"
+    return b.write("pipeline", result, f"{_table(rows, fits)}\n{host}")
 
 
 def _table(rows: list[dict], fits: list[dict]) -> str:
-    lines = [
-        "| p | m | schedule | ticks | step ms (median) | bubble measured | predicted | "
-        "(p-1)/(m+p-1) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        name = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
-        lines.append(
-            f"| {r['p']} | {r['m']} | {name} | {r['ticks']} | {1e3 * r['step_s_median']:.1f} | "
-            f"{r['bubble_measured']:.1%} | {r['bubble_predicted']:.1%} | "
-            f"{r['bubble_gpipe_formula']:.1%} |"
-        )
-    lines.append("")
+    header = ["p", "m", "schedule", "ticks", "step ms (median)", "bubble measured", "predicted",
+              "(p-1)/(m+p-1)"]  # fmt: skip
+    cells = [
+        [r["p"], r["m"], r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else ""), r["ticks"],
+         f"{1e3 * r['step_s_median']:.1f}", f"{r['bubble_measured']:.1%}",
+         f"{r['bubble_predicted']:.1%}", f"{r['bubble_gpipe_formula']:.1%}"]
+        for r in rows
+    ]  # fmt: skip
+    lines = [table(header, cells, "---:|---:|---|---:|---:|---:|---:|---:"), ""]
     for f in fits:
         lines.append(
             f"fit p={f['p']} {f['schedule']}: {1e3 * f['tick_s']:.2f} ms/tick + "

@@ -11,14 +11,13 @@ timed steps (same data for all). Memory is read two ways, both deterministic: th
 the backward pass keeps (the residuals of the loss's VJP, before XLA fuses anything), which is
 what remat shrinks; and the compiled step's temporaries (XLA's memory analysis). XLA CPU hoists
 the recomputation next to the forward, so there the temporaries barely move; a GPU's show the
-saving. On a GPU or TPU, the default recipe gpt_tiny is replaced by gpt_350m.
+saving. On a GPU or TPU, the default recipe gpt_tiny (unchanged by --set) is replaced by gpt_350m.
 Models without a `remat` field get the two precision variants only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -28,6 +27,7 @@ import numpy as np
 
 from jaxpar import contract
 from jaxpar import data as data_lib
+from jaxpar.bench import Bench, table
 from jaxpar.config import PrecisionConfig, TrainConfig, resolve_recipe
 from jaxpar.mesh import MeshSpec
 from jaxpar.metrics import mfu
@@ -86,11 +86,11 @@ def _measure(cfgs: list[TrainConfig], reps: int, tmp: str) -> list[dict]:
     return runs
 
 
-def run(quick: bool = False, out_dir: str = "bench-results", cfg: TrainConfig | None = None):
-    cfg = cfg or resolve_recipe("gpt_tiny")
-    if jax.default_backend() != "cpu" and cfg == resolve_recipe("gpt_tiny"):
+def run(b: Bench) -> dict:
+    cfg = b.cfg
+    if jax.default_backend() != "cpu" and b.default_recipe:
         cfg = resolve_recipe(GPU_RECIPE)
-    reps = 3 if quick else 10
+    reps = 3 if b.quick else 10
     labels, cfgs = zip(*variants(cfg), strict=True)
     with tempfile.TemporaryDirectory() as tmp:
         runs = _measure(list(cfgs), reps, tmp)
@@ -118,24 +118,15 @@ def run(quick: bool = False, out_dir: str = "bench-results", cfg: TrainConfig | 
         "params": contract.num_params(cfg.model),
         "global_batch": cfg.data.global_batch, "rows": rows,
     }  # fmt: skip
-    lines = [
-        f"{cfg.name} on one {device}, batch {cfg.data.global_batch}, median of {reps} "
-        f"interleaved steps",
-        "",
-        f"| variant | median step s | vs fp32 | {unit_name.replace('_per_s', '/s')} | MFU | "
-        "saved for backward | vs fp32 | compiled temp | vs fp32 | loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        util = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        lines.append(
-            f"| {row['variant']} | {row['median_step_s']:.4f} | {row['step_ratio']:.2f} | "
-            f"{row[unit_name]:,.0f} | {util} | {row['saved_bytes'] / 2**20:,.1f} MiB | "
-            f"{row['saved_ratio']:.2f} | {row['temp_bytes'] / 2**20:,.1f} MiB | "
-            f"{row['temp_ratio']:.2f} | {row['loss']:.4f} |"
-        )
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "precision.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print("\n".join(lines))
-    return result
+    header = ["variant", "median step s", "vs fp32", unit_name.replace("_per_s", "/s"), "MFU",
+              "saved for backward", "vs fp32", "compiled temp", "vs fp32", "loss"]  # fmt: skip
+    cells = [
+        [row["variant"], f"{row['median_step_s']:.4f}", f"{row['step_ratio']:.2f}",
+         f"{row[unit_name]:,.0f}", "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}",
+         f"{row['saved_bytes'] / 2**20:,.1f} MiB", f"{row['saved_ratio']:.2f}",
+         f"{row['temp_bytes'] / 2**20:,.1f} MiB", f"{row['temp_ratio']:.2f}", f"{row['loss']:.4f}"]
+        for row in rows
+    ]  # fmt: skip
+    title = (f"{cfg.name} on one {device}, batch {cfg.data.global_batch}, median of {reps} "
+             f"interleaved steps\n\n")  # fmt: skip
+    return b.write("precision", result, title + table(header, cells, "---" + "|---:" * 9))

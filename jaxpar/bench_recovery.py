@@ -36,13 +36,13 @@ import tempfile
 import time
 
 from jaxpar import runlog
+from jaxpar.bench import Bench, table
 from jaxpar.goodput import ledger_of
 from jaxpar.metrics import read_jsonl
-from jaxpar.runlog import S, W
+from jaxpar.runlog import PHASES, S, W
 
 NPROC, DEVICES = 4, 2
-PHASES = ("detect_s", "stop_s", "restart_s", "init_s", "restore_s", "compile_s", "first_step_s")
-# gpt_tiny made smaller for the quick version (each cold incarnation compiles in seconds).
+# the default recipe made smaller for the quick version (each cold incarnation compiles in seconds).
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
 FULL = {"kills": (8, 14, 20, 26), "steps": 30, "every": 5, "periods": (30.0, 60.0), "cycles": 4}
 QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1}
@@ -227,24 +227,24 @@ def _table(rec: list[dict], good: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.1f}"
 
-    lines = ["| restart path | incidents | recovery s (median) | steps lost | "
-             + " | ".join(p.removesuffix("_s") for p in PHASES) + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(PHASES)]  # fmt: skip
-    for r in rec:
-        lines.append(f"| {r['mode']} | {r['incidents']} | {f(r['recovery_s'])} | "
-                     f"{f(r['lost_steps'])} | " + " | ".join(f(r[p]) for p in PHASES) + " |")  # fmt: skip
-    lines += ["", "| failure every | kills | wall s | goodput | goodput after first start | mttr s |",
-              "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for g in good:
-        lines.append(f"| {g['period_s']:.0f} s | {g['kills']} | {g['wall_s']:.0f} | "
-                     f"{g['goodput']:.1%} | {g['goodput_steady']:.1%} | {f(g['mttr_s'])} |")  # fmt: skip
-    return "\n".join(lines)
+    header = ["restart path", "incidents", "recovery s (median)", "steps lost",
+              *(p.removesuffix("_s") for p in PHASES)]  # fmt: skip
+    rows = [[r["mode"], r["incidents"], f(r["recovery_s"]), f(r["lost_steps"]),
+             *(f(r[p]) for p in PHASES)] for r in rec]  # fmt: skip
+    header2 = ["failure every", "kills", "wall s", "goodput", "goodput after first start",
+               "mttr s"]  # fmt: skip
+    rows2 = [[f"{g['period_s']:.0f} s", g["kills"], f"{g['wall_s']:.0f}", f"{g['goodput']:.1%}",
+              f"{g['goodput_steady']:.1%}", f(g["mttr_s"])] for g in good]  # fmt: skip
+    return "\n\n".join([
+        table(header, rows, "---|---:|---:|---:" + "|---:" * len(PHASES)),
+        table(header2, rows2, "|".join(["---:"] * 6)),
+    ])  # fmt: skip
 
 
-def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_tiny",
-        overrides: list[str] | None = None) -> dict:  # fmt: skip
-    p = QUICK if quick else FULL
-    overrides = list(overrides or []) + (SMALL if quick else [])
+def run(b: Bench) -> dict:
+    p = QUICK if b.quick else FULL
+    recipe = b.recipe
+    overrides = list(b.overrides) + (SMALL if b.quick and b.default_recipe else [])
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
         rec = [measure_recovery(m, recipe, p, overrides, root) for m in MODES]
@@ -259,7 +259,7 @@ def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_
     )
     result = {
         "suite": "recovery",
-        "quick": quick,
+        "quick": b.quick,
         "recipe": recipe,
         "overrides": overrides,
         "nproc": NPROC,
@@ -269,11 +269,8 @@ def run(quick: bool = False, out_dir: str = "bench-results", recipe: str = "gpt_
         "cold_over_local": ratio,
         "goodput": good,
     }
-    print(_table(rec, good))
+    text = _table(rec, good)
     if ratio:
-        print(f"\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache + local "
-              f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "recovery.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    return result
+        text += (f"\n\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache + local "
+                 f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
+    return b.write("recovery", result, text)

@@ -19,10 +19,15 @@ is tried. The same per-device hashes, compared across `data`, are the replica ch
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
+import logging
 import os
+import re
+import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +51,14 @@ CHECKSUMS_FILE = "checksums.json"
 
 
 class Preempted(Exception):
-    """Raised by the loop after a coordinated preemption save; the entrypoint exits 42."""
+    """Raised by the loop after a coordinated preemption save; the entrypoint exits 42 (130
+    after Ctrl-C, `interrupted`)."""
+
+    def __init__(
+        self, message: str, step: int = 0, interrupted: bool = False, run_dir: str | None = None
+    ):
+        super().__init__(message)
+        self.step, self.interrupted, self.run_dir = step, interrupted, run_dir
 
 
 class CheckpointMismatch(ValueError):
@@ -55,6 +67,47 @@ class CheckpointMismatch(ValueError):
 
 class ReplicaMismatch(RuntimeError):
     """Replicas of a parameter disagree across the data-parallel axes."""
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+_NO_SPACE = ("No space left on device", "os_error_code='28'", "[Errno 28]", "ENOSPC")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it came from, is a full disk or quota (orbax and
+    tensorstore wrap the OSError into ValueErrors that only say so in their text)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(marker in str(exc) for marker in _NO_SPACE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_path(exc: BaseException, default: str) -> str:
+    """The file a disk-full error names (OSError.filename, or the first quoted path)."""
+    if isinstance(exc, OSError) and exc.filename:
+        return str(exc.filename)
+    found = re.search(r'"(/[^"]+)"', str(exc))
+    return found.group(1) if found else default
+
+
+class _DiskFullLogFilter(logging.Filter):
+    """Orbax logs every failed background write with its traceback (4 per failed save); a full
+    disk is reported once, as one line, by the entry point instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not any(marker in text for marker in _NO_SPACE)
+
+
+logging.getLogger("absl").addFilter(_DiskFullLogFilter())
 
 
 # ---- hashing ----------------------------------------------------------------------------------
@@ -306,10 +359,15 @@ class Checkpointer:
             item_handlers={"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()},
         )
         self._old_sigterm = None
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            # Without jax.distributed there is no coordination service to deliver the preemption
-            # notice: SIGTERM sets a flag the loop polls, like reached_preemption.
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._old_sigint = None
+        self.interrupted = False  # Ctrl-C (SIGINT) asked for the stop
+        if threading.current_thread() is threading.main_thread():
+            if jax.process_count() == 1:
+                # Without jax.distributed there is no coordination service to deliver the
+                # preemption notice: SIGTERM sets a flag the loop polls, like reached_preemption.
+                self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Ctrl-C: the first is a preemption notice (a coordinated save), a second stops now.
+            self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _uncommitted_dirs(self) -> list[str]:
         if not os.path.isdir(self.directory):
@@ -318,6 +376,18 @@ class Checkpointer:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.interrupted:
+            say("interrupted again: stopping now without saving")
+            os._exit(130)
+        self.interrupted = True
+        if self.run.is_writer:
+            say("interrupted: saving a checkpoint at the next step (Ctrl-C again to stop at once)")
+        if jax.process_count() == 1:
+            self._sigterm = True
+        else:  # jax's preemption notifier listens for SIGTERM and tells every process
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def warm_up(self, abstract_state) -> None:
         """Compile the checksum program now, so the first save blocks only for the save."""
@@ -348,7 +418,7 @@ class Checkpointer:
             return 0.0  # already committed from this very state (restored, or a final re-save)
         t0 = time.time()
         self.run.event(W.SAVE_BEGIN, step=step)
-        self.manager.wait_until_finished()  # one save in flight: a slow previous one blocks too
+        self.wait()  # one save in flight: a slow previous one blocks too
         if step in self.manager.all_steps():  # left by a run restored from an older step
             self.manager.delete(step)
             self.run.event(W.CHECKPOINT_REPLACED, step=step)
@@ -361,23 +431,45 @@ class Checkpointer:
             force=True,
         )  # fmt: skip
         if not self.use_async:
-            self.manager.wait_until_finished()
+            self.wait()
         blocked = time.time() - t0
         self._own_steps.add(step)
         self.run.event(W.SAVE_END, step=step, blocking_s=blocked, use_async=self.use_async)
         return blocked
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; its error (e.g. a full disk) is raised here."""
+        self._failing(self.manager.wait_until_finished)
+
+    def check(self) -> None:
+        """Raise the error of a finished background save now (called every step), so a save
+        that cannot finish stops the run at once instead of at the next save."""
+        self._failing(self.manager.check_for_errors)
+
+    def _failing(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:
+            if is_disk_full(e) and self.run.is_writer:
+                self.discard_uncommitted()  # free the space the failed save took
+            raise
+
+    def discard_uncommitted(self) -> None:
+        """Remove the folders of saves that never committed (after a failed save)."""
+        for name in self._uncommitted_dirs():
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def close(self) -> None:
         try:
-            self.manager.wait_until_finished()
+            self.wait()
             self.manager.close()
         finally:
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None
+            if self._old_sigint is not None:
+                signal.signal(signal.SIGINT, self._old_sigint)
+                self._old_sigint = None
 
     def reached_preemption(self, step: int) -> bool:
         """All processes agree on the same step (coordination service), or SIGTERM when alone."""
@@ -435,6 +527,8 @@ class Checkpointer:
             )
         if skipped:
             self.run.event(W.NO_GOOD_CHECKPOINT, skipped=skipped)
+            if self.run.is_writer:
+                say(f"every checkpoint is corrupt (steps {skipped}), starting from step 0")
         return None
 
     def _try_restore(self, step: int, abstract_state: dict, force: bool):
@@ -469,7 +563,9 @@ class Checkpointer:
         self.run.event(W.CHECKPOINT_CORRUPT, step=step, reason=reason[:500], **fields)
         if self.run.is_writer:
             src = os.path.join(self.directory, str(step))
-            os.replace(src, f"{src}{CORRUPT_SUFFIX}-{int(time.time())}")
+            dst = f"{src}{CORRUPT_SUFFIX}-{int(time.time())}"
+            os.replace(src, dst)
+            say(f"checkpoint step {step} is damaged ({reason[:120]}); set aside as {dst}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxpar_quarantine_{step}")
         self.manager.reload()
@@ -484,9 +580,80 @@ class Checkpointer:
             return False
         if not force:
             raise CheckpointMismatch(
-                f"checkpoint step {meta.get('step')} in {self.directory} was written by config "
-                f"{have} but this run's model/optimizer/data config is {want}; use another "
-                f"--run-dir, --set ckpt.restore=none, or --set ckpt.force=true to load it anyway"
+                mismatch_message(self.directory, meta, self.meta, self.meta.get("config"))
             )
         self.run.event(W.RESTORE_FORCED, step=meta.get("step"), from_config=have, to_config=want)
         return True
+
+
+# ---- checks before a run writes anything --------------------------------------------------------
+
+
+def say(text: str) -> None:
+    """One line on the console (stderr): what a user must know even without reading events."""
+    print(f"jaxpar: {text}", file=sys.stderr, flush=True)
+
+
+def committed_on_disk(ckpt_dir: str) -> list[int]:
+    """Committed steps under `ckpt_dir` (orbax's step folders), read without orbax."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+
+
+def read_meta_file(ckpt_dir: str, step: int) -> dict | None:
+    """A committed step's `meta` item (JSON), or None when it is unreadable."""
+    try:
+        with open(os.path.join(ckpt_dir, str(step), "meta", "metadata"), "rb") as f:
+            meta = json.loads(f.read(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def mismatch_message(directory: str, have: dict, want: dict, want_config: dict | None) -> str:
+    """The config-hash refusal: which fields differ (when the checkpoint recorded its config),
+    and the ways forward."""
+    from jaxpar.config import config_diff
+
+    step = have.get("step")
+    if isinstance(have.get("config"), dict) and want_config is not None:
+        changes = config_diff(have["config"], want_config)
+        what = "; ".join(changes[:8]) + (
+            f"; and {len(changes) - 8} more" if len(changes) > 8 else ""
+        )
+    else:
+        what = f"config hash {have.get('config_hash')} → {want.get('config_hash')}"
+    return (
+        f"checkpoint step {step} in {directory} was written with another model/optimizer/data "
+        f"config ({what}); run with the checkpoint's settings, use another --run-dir, "
+        f"--set ckpt.restore=none to start afresh, or --set ckpt.force=true to load it anyway"
+    )
+
+
+def preflight(
+    ckpt_dir: str, meta: dict, *, which: str = "latest", force: bool = False
+) -> int | None:
+    """The step a restore would start from (None: none), checked before anything is written.
+
+    Raises CheckpointMismatch for a checkpoint of another config (unless `force`) and ValueError
+    for a `which` step that is not committed. Unreadable steps are left to the restore, which
+    sets them aside."""
+    if which == "none":
+        return None
+    steps = committed_on_disk(ckpt_dir)
+    if which != "latest":
+        if not which.isdigit() or int(which) not in steps:
+            raise ValueError(
+                f"ckpt.restore={which}: no committed checkpoint at that step in {ckpt_dir} "
+                f"(committed: {steps}); use latest, none or one of those"
+            )
+        steps = [int(which)]
+    for step in reversed(steps):
+        have = read_meta_file(ckpt_dir, step)
+        if have is None:
+            continue
+        if have.get("config_hash") != meta.get("config_hash") and not force:
+            raise CheckpointMismatch(mismatch_message(ckpt_dir, have, meta, meta.get("config")))
+        return step
+    return None

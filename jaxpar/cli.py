@@ -8,6 +8,7 @@ packages or, after them, the current directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -19,18 +20,83 @@ def _layout(name: str | None, default: str):
     return preset(name if name is not None else default)
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), not usage text plus an error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _help_asked(argv: list[str] | None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def _names() -> str:
+    """Recipe and mesh preset names for --help (imports them: only when help is asked for)."""
+    try:
+        from jaxpar import meshes
+        from jaxpar.train.recipes import RECIPES
+    except ImportError as e:
+        return f"recipes and mesh presets: unavailable ({e})"
+    return f"recipes: {', '.join(RECIPES)}\nmesh presets: {', '.join(meshes.PRESETS)}"
+
+
+def _train_epilog() -> str:
+    from jaxpar.faults import KINDS
+
+    return (
+        f"{_names()}\n"
+        f"fault kinds: {', '.join(KINDS)} (SPEC = KIND@STEP[:process=P][:permanent][:repeat]"
+        f"[:seconds=X]; see jaxpar/faults.py)\n"
+        f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
+        f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
+        f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "
+        f"second Ctrl-C stops at once."
+    )
+
+
+def add_train_arguments(
+    p: argparse.ArgumentParser, argv: list[str] | None = None
+) -> argparse.ArgumentParser:
     """`jaxpar train`'s options, shared with `python -m train` / `python -m jaxpar.train`."""
+    if _help_asked(argv):
+        p.epilog = _train_epilog()
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
-        "--recipe", default="gpt_tiny", help="name in jaxpar.train.recipes, or module:function"
-    )
+        "--recipe", default="gpt_tiny",
+        help="name in jaxpar.train.recipes, or module:function (default: gpt_tiny)",
+    )  # fmt: skip
     p.add_argument(
-        "--mesh", default=None, help="preset name (jaxpar.meshes.PRESETS) or 'data=2,tensor=4'"
-    )
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the recipe)")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/RECIPE-TIME)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC")
+        "--mesh", default=None,
+        help="preset name (jaxpar.meshes.PRESETS) or 'data=2,tensor=4' (default: the recipe's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=_int_at_least(1), default=None,
+        help="optimizer steps, >= 1 (default: the recipe's train.steps)",
+    )  # fmt: skip
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/RECIPE-TIME)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. optim.lr=1e-3 (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fault", dest="faults", action="append", default=[], metavar="SPEC",
+        help="inject a failure, e.g. kill@15 (repeatable; kinds below)",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.set_defaults(func=cmd_train)
     return p
@@ -42,10 +108,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def train() -> None:
         from jaxpar import api, trainer
-        from jaxpar.config import apply_overrides, resolve_recipe
+        from jaxpar.config import apply_overrides, resolve_recipe, validate
 
         cfg = resolve_recipe(args.recipe)
-        cfg = apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides)
+        cfg = validate(apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides))
         keys = {o.partition("=")[0].strip() for o in args.overrides}
         cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
         mesh = args.mesh if args.mesh is not None else cfg.mesh
@@ -67,10 +133,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from jaxpar import launch
 
     launch.configure_devices()
-    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.config import apply_overrides, resolve_recipe, validate
     from jaxpar.inspect_cmd import inspect
 
-    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
+    cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
     with tempfile.TemporaryDirectory() as tmp:
         print(inspect(cfg, preset, tmp, audit=not args.no_audit))
@@ -81,17 +147,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar import launch
 
     launch.configure_devices()
-    from jaxpar.bench import run_suite
-    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.bench import Bench, run_suite
+    from jaxpar.config import validate
+    from jaxpar.rundir import check_path
 
-    cfg = apply_overrides(resolve_recipe(args.recipe), args.overrides)
-    run_suite(args.suite, cfg, args.quick, args.out, lambda text: _layout(text, cfg.mesh))
+    check_path(args.out, option="--out")  # before a bench runs for minutes
+    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out)
+    cfg = validate(b.cfg)
+    run_suite(args.suite, dataclasses.replace(b, cfg=cfg, layout=lambda t: _layout(t, cfg.mesh)))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from jaxpar.report import write_report
+    from jaxpar.rundir import check_path
 
+    if not os.path.isdir(args.run_dir):
+        raise ValueError(f"{args.run_dir} is not a directory; give a run directory")
+    check_path(args.out or os.path.join(args.run_dir, "report"), option="--out")
     print(write_report(args.run_dir, args.out))
     return 0
 
@@ -335,29 +408,50 @@ def _add_launch_parser(sub) -> None:
     la.set_defaults(func=cmd_launch)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = sys.argv[1:] if argv is None else argv
+    # only `train`, `inspect` and `bench --help` list recipes and presets (they import jax)
+    names = _names() if argv[:1] in (["inspect"], ["bench"]) and _help_asked(argv) else None
+    raw = argparse.RawDescriptionHelpFormatter
+    p = Parser(prog="jaxpar", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"jaxpar {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a recipe (same as python -m train)"))
-    ins = sub.add_parser("inspect", help="parameter shardings and the compiled step's collectives")
-    ins.add_argument("--recipe", default="gpt_tiny")
-    ins.add_argument("--mesh", default=None, help="preset name or mesh spec")
-    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train_argv = argv if argv[:1] == ["train"] else []
+    add_train_arguments(
+        sub.add_parser("train", help="train a recipe (same as python -m train)"), train_argv
+    )
+    ins = sub.add_parser(
+        "inspect", help="parameter shardings and the compiled step's collectives",
+        epilog=names, formatter_class=raw,
+    )  # fmt: skip
+    ins.add_argument("--recipe", default="gpt_tiny", help="recipe name or module:function "
+                     "(default: gpt_tiny)")  # fmt: skip
+    ins.add_argument("--mesh", default=None, help="preset name or mesh spec (default: the "
+                     "recipe's; all devices on data)")  # fmt: skip
+    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value (repeatable)")  # fmt: skip
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
-    ben = sub.add_parser("bench", help="benchmarks measured side by side (medians, ratios)")
-    ben.add_argument(
-        "suite", help="overhead | meshes | checkpoint | recovery | pipeline | comm | precision | data"
-    )
-    ben.add_argument("--recipe", default="gpt_tiny")
-    ben.add_argument("--out", default="bench-results", help="directory for SUITE.json")
+    from jaxpar import bench
+
+    suites = "suites (rough time on a 2-core CPU host, full and --quick):\n" + bench.describe()
+    ben = sub.add_parser(
+        "bench", help="benchmarks measured side by side (medians, ratios)",
+        epilog=suites + (f"\n\n{names}" if names else ""), formatter_class=raw,
+    )  # fmt: skip
+    ben.add_argument("suite", choices=sorted(bench.SUITES), metavar="SUITE",
+                     help="one of: " + ", ".join(sorted(bench.SUITES)))  # fmt: skip
+    ben.add_argument("--recipe", default=bench.DEFAULT_RECIPE,
+                     help=f"the recipe measured (default: {bench.DEFAULT_RECIPE})")  # fmt: skip
+    ben.add_argument("--out", default="bench-results", help="directory for SUITE.json "
+                     "(default: bench-results)")  # fmt: skip
     ben.add_argument("--quick", action="store_true", help="a small, fast version")
-    ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value (repeatable)")  # fmt: skip
     ben.set_defaults(func=cmd_bench)
     rep = sub.add_parser("report", help="RUN_DIR/report/report.md: loss, step time, goodput plots")
     rep.add_argument("run_dir", metavar="RUN_DIR")
-    rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     _add_launch_parser(sub)
     _add_data_parser(sub)
@@ -374,8 +468,12 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     from jaxpar.config import search_current_directory
 
+    # `python -c`/`python -m jaxpar.cli` put the current directory first on sys.path: a folder
+    # there named like an installed package (matplotlib/) must never shadow it.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)
     search_current_directory()  # a user's recipe module, after the installed packages
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

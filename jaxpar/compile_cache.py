@@ -11,14 +11,26 @@ the slowest of them. Here every process writes its own executable
 the lowered program text, the jax/jaxlib/backend versions, XLA_FLAGS, and the global device
 assignment with this process's index. A file that cannot be read or loaded is removed and the
 program compiled again; a cache miss costs one serialisation (~0.2 s for gpt_tiny).
+
+Entries are untrusted until proven otherwise: they hold pickles and native code, and a run
+directory may be copied from elsewhere or writable by someone else. Each file starts with an
+HMAC-SHA256, under a per-user key kept outside the run directory
+($JAXPAR_CACHE_KEY, else $XDG_CACHE_HOME/jaxpar/compile-cache.key or
+~/.cache/jaxpar/compile-cache.key, created 0600), of its cache key and contents. A file is
+deserialised only when the MAC matches and neither it nor its folder is writable by other users
+or owned by someone else; otherwise the program is compiled again (and the entry rewritten).
+Processes on several hosts sharing one run directory need the same key file to share entries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import os
 import pickle
+import secrets
+import stat
 import tempfile
 import time
 import warnings
@@ -41,7 +53,7 @@ KEEP = 32  # newest entries kept per directory (other layouts after a shrink add
 def configure(directory: str | None) -> None:
     """Cache compiled programs under `directory` (None: off). Call before compiling."""
     if directory:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o755, exist_ok=True)
         if not _state.get("listening"):
             jax.monitoring.register_event_listener(_count_jax_cache_hits)
             _state["listening"] = True
@@ -88,11 +100,71 @@ def _path(name: str, key: str) -> str:
     return os.path.join(_state["dir"], f"{name}-{key}-p{jax.process_index()}.bin")
 
 
+MAGIC = b"JAXPARX1"  # file format: MAGIC, 32-byte HMAC-SHA256, pickled payload
+ENV_KEY_FILE = "JAXPAR_CACHE_KEY"
+
+
+class Untrusted(Exception):
+    """A cache file that must not be deserialised (foreign, tampered or too widely writable)."""
+
+
+def key_path() -> str:
+    """Where this user's cache key lives (outside any run directory)."""
+    if os.environ.get(ENV_KEY_FILE):
+        return os.environ[ENV_KEY_FILE]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpar", "compile-cache.key")
+
+
+def _secret() -> bytes:
+    """This user's HMAC key, created (0600, random) on first use; refused if others can read
+    or write it."""
+    path = key_path()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise Untrusted(f"key file {path} must be yours and mode 0600")
+        key = f.read()
+    if len(key) < 32:
+        raise Untrusted(f"key file {path} is too short")
+    return key
+
+
+def _mac(key: bytes, name: str, payload: bytes) -> bytes:
+    return hmac.new(key, name.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user and not writable by group or others."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _load(path: str):
     from jax.experimental import serialize_executable
 
-    with open(path, "rb") as f:
-        blob, in_tree, out_tree = pickle.load(f)
+    folder = os.path.dirname(path)
+    if not _private(os.stat(folder, follow_symlinks=False)) or os.path.islink(folder):
+        raise Untrusted(f"{folder} is writable by other users or not owned by you")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not _private(os.fstat(f.fileno())):
+            raise Untrusted("writable by other users or not owned by you")
+        data = f.read()
+    head, mac, payload = data[: len(MAGIC)], data[len(MAGIC) : len(MAGIC) + 32], data[40:]
+    if head != MAGIC or not hmac.compare_digest(
+        mac, _mac(_secret(), os.path.basename(path), payload)
+    ):
+        raise Untrusted("not written by this user's jaxpar (HMAC mismatch)")
+    blob, in_tree, out_tree = pickle.loads(payload)  # authenticated above
     return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
 
 
@@ -100,10 +172,17 @@ def _store(path: str, compiled) -> None:
     from jax.experimental import serialize_executable
 
     blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump((blob, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)  # readers see a whole file or none
+    payload = pickle.dumps((blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+    data = MAGIC + _mac(_secret(), os.path.basename(path), payload) + payload
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # readers see a whole file or none
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a full disk leaves no partial file behind
+        raise
     _prune(os.path.dirname(path))
 
 
@@ -150,8 +229,9 @@ def _cached(name: str, key: str, build: Callable[[], Any]):
         t0 = time.time()
         try:
             compiled = _load(path)
-        except Exception as e:  # a torn, stale or foreign file: compile afresh
+        except Exception as e:  # a torn, stale, foreign or planted file: compile afresh
             warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=3)
+            _state["stats"]["rejected"] = _state["stats"].get("rejected", 0) + 1
             with contextlib.suppress(OSError):
                 os.remove(path)
         else:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import sys
 import types
@@ -173,13 +174,34 @@ def config_hash(
     extending a run to more steps is normal (its learning-rate schedule then follows the new
     length). A model config may name fields that change memory or speed but not the values it
     computes in `NOT_HASHED` (e.g. rematerialisation); they are left out too."""
+    blob = json.dumps(hashed_dict(cfg, sections), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def hashed_dict(
+    cfg: TrainConfig,
+    sections: tuple[str, ...] = ("model", "data", "optim", "comm", "precision"),
+) -> dict:
+    """What `config_hash` hashes (checkpoints keep it, so a refusal can name what changed)."""
     d = to_dict(cfg)
     d = {k: d[k] for k in sections} | {k: d[k] for k in (*USER_HOOKS, "rules") if d.get(k)}
     for name in not_hashed(cfg.model):
         d["model"].pop(name, None)
     d["train.seed"] = cfg.train.seed
-    blob = json.dumps(d, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return d
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Lines `key: old → new` for every leaf that differs between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{name}.")
+        elif a != b:
+            out.append(f"{name}: {a!r} → {b!r}" if isinstance(a, str) else f"{name}: {a} → {b}")
+    return out
 
 
 def _convert(text: str, typ: Any, key: str) -> Any:
@@ -203,7 +225,14 @@ def _convert(text: str, typ: Any, key: str) -> Any:
             raise ValueError(f"--set {key}={text}: expected {typ.__name__}") from None
     if origin is tuple:
         return _convert_tuple(text, typ, key)
-    return json.loads(text) if typ is not Any else text
+    if typ is tuple:
+        return _convert_tuple(text, tuple[Any, ...], key)
+    if typ is Any:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"--set {key}={text}: expected a JSON value") from None
 
 
 def _convert_tuple(text: str, typ: Any, key: str) -> tuple:
@@ -245,6 +274,12 @@ def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = ""
     if name not in fields:
         raise ValueError(f"--set {key}: unknown key {name!r}; known here: {sorted(fields)}")
     current = getattr(obj, name)
+    if len(parts) == 1 and dataclasses.is_dataclass(current):
+        keys = ", ".join(f.name for f in dataclasses.fields(current))
+        raise ValueError(
+            f"--set {key}: {key} is a config section, not a value; set one of its keys "
+            f"({keys}), e.g. --set {key}.{dataclasses.fields(current)[0].name}=VALUE"
+        )
     if len(parts) > 1:
         sub = _set_path(current, parts[1:], value, key, f"{prefix}.{name}".lstrip("."))
         return dataclasses.replace(obj, **{name: sub})
@@ -280,6 +315,157 @@ def resolve_recipe(name: str) -> TrainConfig:
     if not isinstance(cfg, TrainConfig):
         raise ValueError(f"recipe {name!r} returned {type(cfg).__name__}, not a TrainConfig")
     return cfg
+
+
+# ---- ranges: every config value checked in one place -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric key: lo/hi bounds (None: open), whether each is included."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself not allowed
+    hi_open: bool = False
+
+    def ok(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def describe(self) -> str:
+        lo = None if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        hi = None if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        if lo and hi:
+            return f"{self.lo:g} {'<' if self.lo_open else '<='} x {hi}"
+        return lo or hi or "a finite number"
+
+
+POSITIVE, NON_NEGATIVE = Range(0, lo_open=True), Range(0)
+AT_LEAST_1 = Range(1)
+FRACTION_OPEN = Range(0, 1, hi_open=True)  # [0, 1)
+
+# section.key -> Range, or a tuple of allowed strings. Keys not listed: floats must be finite.
+RANGES: dict[str, Range | tuple[str, ...]] = {
+    "data.global_batch": AT_LEAST_1,
+    "data.seq_len": AT_LEAST_1,
+    "data.seed": NON_NEGATIVE,
+    "data.dtype": ("", "uint16", "uint32"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.lr": POSITIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.decay_steps": NON_NEGATIVE,
+    "optim.min_lr_ratio": Range(0, 1),
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.b1": FRACTION_OPEN,
+    "optim.b2": FRACTION_OPEN,
+    "optim.clip_norm": NON_NEGATIVE,
+    "optim.momentum": FRACTION_OPEN,
+    "train.steps": AT_LEAST_1,
+    "train.microbatches": AT_LEAST_1,
+    "train.seed": NON_NEGATIVE,
+    "train.eval_every": NON_NEGATIVE,
+    "train.eval_batches": AT_LEAST_1,
+    "log.every": AT_LEAST_1,
+    "ckpt.every": NON_NEGATIVE,
+    "ckpt.keep": AT_LEAST_1,
+    "ckpt.local_every": Range(-1),  # -1: by state size, 0: off
+    "run.max_wall_s": NON_NEGATIVE,
+    "pipeline.schedule": ("gpipe", "circular"),
+    "pipeline.microbatches": AT_LEAST_1,
+    "pipeline.repeats": AT_LEAST_1,
+    "comm.compress": ("none", "bf16", "int8"),
+    "comm.diloco_inner_steps": NON_NEGATIVE,
+    "comm.outer_lr": POSITIVE,
+    "comm.outer_momentum": FRACTION_OPEN,
+    "precision.params": ("float32",),
+    "precision.compute": ("float32", "bfloat16"),
+}
+
+
+def _model_range(name: str, value: Any) -> Range | None:
+    """A model config's ranges: its own `RANGES` class attribute, else sizes (ints) >= 1 and
+    dropout-like rates in [0, 1)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return AT_LEAST_1
+    if isinstance(value, float) and ("dropout" in name or name.endswith("_rate")):
+        return FRACTION_OPEN
+    return None
+
+
+def _check(key: str, value: Any, rule: Range | tuple[str, ...] | None) -> None:
+    if isinstance(rule, tuple):
+        if value not in rule:
+            raise ValueError(f"{key}={value!r} is not allowed: use one of {list(rule)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if rule is None:
+        rule = Range()
+    if not rule.ok(value):
+        raise ValueError(
+            f"{key}={value!r} is out of range: allowed {rule.describe()} (--set {key}=VALUE)"
+        )
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every value of `cfg` against its allowed range (ValueError naming the key and the
+    range); returns `cfg`. Called before a run writes anything."""
+    if not dataclasses.is_dataclass(cfg.model):
+        raise ValueError(f"model={cfg.model!r}: the model config must be a dataclass")
+    own = getattr(type(cfg.model), "RANGES", {})
+    for f in dataclasses.fields(cfg.model):
+        value = getattr(cfg.model, f.name)
+        key = f"model.{f.name}"
+        items = value if isinstance(value, tuple) else (value,)
+        for item in items:
+            _check(key, item, own.get(f.name) or _model_range(f.name, item))
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if f.name == "model" or not dataclasses.is_dataclass(section):
+            continue
+        for g in dataclasses.fields(section):
+            key = f"{f.name}.{g.name}"
+            _check(key, getattr(section, g.name), RANGES.get(key))
+    for hook in USER_HOOKS:
+        value = getattr(cfg, hook, None)
+        if value is not None and not callable(value):
+            raise ValueError(
+                f"{hook}={value!r}: a recipe sets it to a Python callable; it cannot be set "
+                f"with --set"
+            )
+    for rule in cfg.rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(
+                f'rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. [["mlp", "tensor"]]'
+            )
+    restore = cfg.ckpt.restore
+    if restore not in ("latest", "none") and not restore.isdigit():
+        raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")
+    from jaxpar.data import SOURCES  # the data module owns the list
+
+    source = cfg.data.source
+    if isinstance(source, str) and ":" not in source and source not in SOURCES:
+        raise ValueError(
+            f"data.source={source!r} is not allowed: use one of {SOURCES} or MODULE:CALLABLE"
+        )
+    return cfg
+
+
+def warnings_for(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but lose work silently; printed at start."""
+    out = []
+    if cfg.ckpt.every == 0:
+        out.append(
+            "ckpt.every=0: no checkpoint will be written, so a failure or a stop loses the whole "
+            "run (set ckpt.every=N to save every N steps)"
+        )
+    return out
 
 
 def search_current_directory() -> None:

@@ -71,12 +71,14 @@ class FaultSpec:
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
+        """Parse one spec; ValueError (one line, naming the fix) for anything malformed."""
+        usage = f"use KIND@STEP[:process=P][:permanent][:repeat][:seconds=X], KIND one of {KINDS}"
         head, *opts = text.strip().split(":")
         kind, at, step = head.partition("@")
         if kind not in KINDS or not at or not step.isdigit():
-            raise ValueError(
-                f"bad fault spec {text!r}: use KIND@STEP[:opt...] with KIND in {KINDS}"
-            )
+            raise ValueError(f"bad fault spec {text!r}: {usage}")
+        if int(step) < 1:
+            raise ValueError(f"bad fault spec {text!r}: @STEP counts steps from 1 (got {step})")
         fields: dict = {"kind": kind, "step": int(step), "text": text.strip()}
         for opt in opts:
             key, eq, val = opt.partition("=")
@@ -84,17 +86,41 @@ class FaultSpec:
                 fields[key] = True
             elif key == "process" and val.isdigit():
                 fields["process"] = int(val)
-            elif key == "seconds" and eq:
-                fields["seconds"] = float(val)
+            elif key == "seconds" and eq and kind == "slow":
+                fields["seconds"] = _seconds(text, val)
             elif key == "node" and val.isdigit():
                 fields["node"] = int(val)
             else:
-                raise ValueError(f"bad fault spec {text!r}: unknown option {opt!r}")
+                raise ValueError(f"bad fault spec {text!r}: unknown option {opt!r}; {usage}")
+        if fields.get("permanent") and kind != "kill":
+            raise ValueError(f"bad fault spec {text!r}: only kill takes :permanent")
         if kind == "slow" and fields.get("seconds", 0) <= 0:
-            raise ValueError(f"bad fault spec {text!r}: slow needs :seconds=X")
+            raise ValueError(f"bad fault spec {text!r}: slow needs :seconds=X (X > 0)")
         if (kind == "losthost") != ("node" in fields):
             raise ValueError(f"bad fault spec {text!r}: node=N goes with losthost (and only it)")
         return cls(**fields)
+
+
+def _seconds(text: str, val: str) -> float:
+    try:
+        seconds = float(val)
+    except ValueError:
+        seconds = float("nan")
+    if not (0 < seconds <= 86400):  # also false for NaN
+        raise ValueError(
+            f"bad fault spec {text!r}: seconds={val} must be a number of seconds in (0, 86400]"
+        )
+    return seconds
+
+
+def check_processes(specs: list[FaultSpec], nproc: int) -> None:
+    """Refuse specs naming a process this job does not have (ValueError naming the range)."""
+    for s in specs:
+        if s.process >= nproc:
+            raise ValueError(
+                f"bad fault spec {s.text!r}: process={s.process} but the job has {nproc} "
+                f"process(es) (0..{nproc - 1})"
+            )
 
 
 def parse_all(specs: list[str]) -> list[FaultSpec]:
@@ -126,6 +152,7 @@ class Faults:
             and (s.repeat or s.text not in fired)
         ]
         self.process = process_index
+        self.fired: list[str] = []  # specs this process injected in this incarnation
         self._slow: float = 0.0
         # Set by the loop once the local tier has met the other processes: (this process's
         # node, the processes of each node, this node's local tier directory).
@@ -137,6 +164,7 @@ class Faults:
         for s in self.specs:
             if s.kind == kind and s.step == step:
                 self.specs.remove(s)
+                self.fired.append(s.text)
                 if s.process == self.process:
                     self.run.event(
                         W.FAULT_INJECTED, all_processes=True, kind=s.kind, spec=s.text,

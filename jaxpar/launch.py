@@ -35,6 +35,7 @@ EXIT_COLLECTIVE = 43  # a collective / coordination error: a peer is gone, exit 
 EXIT_NAN = 44  # a non-finite loss was detected inside the step: roll back to the last checkpoint
 EXIT_REPLICA = 45  # data-parallel replicas disagree: restart from the last good checkpoint
 EXIT_USAGE = 2  # a usage or configuration error: the supervisor does not restart it
+EXIT_NO_SPACE = 46  # the run directory's disk is full (ENOSPC): restarting cannot help
 
 # The environment `jaxpar launch` gives each worker.
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # HOST:PORT of process 0's coordinator, fresh each time

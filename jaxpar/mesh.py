@@ -79,9 +79,13 @@ class MeshSpec:
         if not text:
             return cls()
         sizes = dict.fromkeys(AXES, 1)
+        seen: set[str] = set()
         for part in text.split(","):
             name, sep, value = part.partition("=")
             name = name.strip()
+            if name in seen:
+                raise ValueError(f"bad mesh spec {text!r}: axis {name!r} is given twice")
+            seen.add(name)
             if not sep or name not in AXES:
                 raise ValueError(
                     f"bad mesh spec {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {AXES} "

@@ -62,11 +62,35 @@ def mfu(flops_per_step: float | None, step_time_s: float, devices: int, peak: fl
 class RunDir:
     """Paths and writers of one run directory, shared by the supervisor and every process."""
 
-    def __init__(self, path: str, process_index: int = 0, incarnation: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        process_index: int = 0,
+        incarnation: int | None = None,
+        create: bool = True,
+    ):
+        """create=False: nothing is written until `create()` (a run validates first)."""
         self.path = os.path.abspath(path)
         self.process_index = process_index
-        os.makedirs(self.path, exist_ok=True)
+        self._incarnation = incarnation
+        if create:
+            self.create()
         self.incarnation = self.count_starts() if incarnation is None else incarnation
+
+    def create(self) -> None:
+        """Make the directory; the incarnation is counted again (under the run's lock)."""
+        os.makedirs(self.path, exist_ok=True)
+        if self._incarnation is None:
+            self.incarnation = self.count_starts()
+
+    def unreadable_lines(self) -> dict[str, int]:
+        """File name -> lines skipped as unreadable, for metrics.jsonl and events.jsonl."""
+        out = {}
+        for name in (runlog.EVENTS, runlog.METRICS):
+            bad = runlog.read_jsonl_counted(self.file(name))[1]
+            if bad:
+                out[name] = bad
+        return out
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -104,7 +128,7 @@ class RunDir:
 
 def summarize(run: RunDir, wall_s: float, restarts: int = 0) -> dict:
     """summary.json contents from metrics.jsonl and events.jsonl (docs/design.md, "Run directory")."""
-    lines = read_jsonl(run.file(runlog.METRICS))
+    lines = runlog.well_formed(read_jsonl(run.file(runlog.METRICS)))
     per_step = last_per_step(lines)
     all_steps = [line for line in lines if "loss" in line]
     productive = sum(line.get("step_time_s", 0.0) for line in per_step.values())

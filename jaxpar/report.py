@@ -102,7 +102,8 @@ def load(run_dir: str) -> tuple[list[dict], list[dict], dict]:
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             config = json.load(f)
-    return runlog.read_jsonl(ev_path), runlog.read_jsonl(m_path), config
+    events = runlog.well_formed(runlog.read_jsonl(ev_path), required=("event", "time"))
+    return events, runlog.well_formed(runlog.read_jsonl(m_path)), config
 
 
 def analyze(run_dir: str) -> Analysis:

@@ -159,11 +159,14 @@ def named_sharding(
     """Validated NamedSharding for one array (replicated when it has no logical names)."""
     if logical is None:
         return NamedSharding(mesh, PartitionSpec())
-    if len(logical) != len(shape):
+    if len(logical) > len(shape):
         raise ValueError(
             f"parameter {path}: {len(logical)} logical names {tuple(logical)} for shape "
             f"{tuple(shape)}; give one name (or None) per dimension"
         )
+    # Fewer names than dimensions: the rest are unnamed, as in a PartitionSpec (Flax's
+    # sharding guide writes P(None, 'model') for 3-D attention kernels).
+    logical = (*logical, *(None,) * (len(shape) - len(logical)))
     spec = logical_to_spec(logical, rules, mesh)
     check_spec(spec)
     check_divisible(path, shape, logical, spec, mesh)

@@ -20,7 +20,10 @@ summary printed by `jaxpar launch`, summary.json and report.md are all computed 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import statistics
 import time
@@ -41,6 +44,7 @@ REPORT = "report"
 HEARTBEATS = "heartbeats"
 STACKS = "stacks"
 LOGS = "logs"
+LOCK = "lock"  # the run's owner (jaxpar/rundir.py)
 
 
 # ---- event names ----------------------------------------------------------------------------
@@ -120,49 +124,122 @@ def _json_default(x: Any):
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
+def finite(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, +-Infinity) replaced by None: strict JSON."""
+    if hasattr(obj, "dtype") and hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0:
+        obj = obj.item()  # a numpy scalar
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=_json_default, allow_nan=True)
+    """Strict JSON (no NaN/Infinity tokens: non-finite floats become null)."""
+    return json.dumps(finite(obj), default=_json_default, allow_nan=False)
 
 
 def append_line(path: str, obj: dict) -> None:
-    """Append one JSON line with a single write (lines from several processes never interleave)."""
+    """Append one JSON line with a single write (lines from several processes never interleave).
+
+    If the file ends in a torn line (a crash or a full disk mid-write), the record starts on a
+    fresh line, so the torn one is skipped by readers instead of swallowing this one."""
     data = (dumps(obj) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, data)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        written = os.write(fd, data)
+        if written != len(data):  # a short write (full disk): never leave a torn record
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)", path)
     finally:
         os.close(fd)
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename): readers never see a half-written file."""
+    """Write JSON atomically (temp file + rename): readers never see a half-written file. On an
+    error (a full disk) the temporary file is removed."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(finite(obj), indent=2, default=_json_default, allow_nan=False))
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def read_jsonl_counted(path: str) -> tuple[list[dict], int]:
+    """(records, unreadable line count) of a JSONL file; ([], 0) if absent.
+
+    A line that is not a JSON object (torn by a crash, binary garbage, bad UTF-8) is skipped and
+    counted, never fatal: the file is an append-only log shared by many writers."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        return [], 0
+    out, bad = [], 0
+    for raw in blob.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+        else:
+            bad += 1
+    return out, bad
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """All complete lines of a JSONL file ([] if absent); a torn last line is ignored."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    """All readable JSON-object lines of a JSONL file ([] if absent); see read_jsonl_counted."""
+    return read_jsonl_counted(path)[0]
+
+
+# Keys whose values readers do arithmetic on: a number (or null) wherever they appear.
+NUMERIC_KEYS = (
+    "step", "time", "incarnation", "loss", "eval_loss", "step_time_s", "tokens_per_s",
+    "samples_per_s", "seconds", "blocking_s", "nproc",
+)  # fmt: skip
+_INT_KEYS = ("step", "incarnation", "nproc")
+
+
+def well_formed(records: list[dict], required: tuple[str, ...] = ()) -> list[dict]:
+    """The records whose NUMERIC_KEYS hold numbers (ints for step/incarnation/nproc) and which
+    have every `required` key: a run directory is untrusted input, so a reader of a hand-edited
+    or damaged file skips the lines it cannot use instead of failing on them."""
+
+    def ok(r: dict) -> bool:
+        for key in NUMERIC_KEYS:
+            v = r.get(key)
+            if v is None:
+                if key in required:
+                    return False
                 continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                return False
+            if key in _INT_KEYS and not float(v).is_integer():
+                return False
+        return all(k in r for k in required)
+
+    return [r for r in records if ok(r)]
 
 
 def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     """(events, metrics lines) of a run directory."""
     path = os.path.abspath(run_dir)
-    return read_jsonl(os.path.join(path, EVENTS)), read_jsonl(os.path.join(path, METRICS))
+    events = well_formed(read_jsonl(os.path.join(path, EVENTS)), required=("event", "time"))
+    return events, well_formed(read_jsonl(os.path.join(path, METRICS)))
 
 
 def last_per_step(lines: list[dict], key: str = "loss") -> dict[int, dict]:
@@ -370,7 +447,7 @@ def _incidents(
         until = dets[k + 1]["time"] if k + 1 < len(dets) else None
         prev = _owner(incs, det["time"])
         group = _first(events, S.GROUP_STARTED, det["time"], until)
-        nxt = next((i for i in incs if group and i.start >= group["time"]
+        nxt = next((i for i in incs if i.start >= det["time"]
                     and (until is None or i.start < until)), None)  # fmt: skip
         inc = _incident(prev, nxt, det, prev_t, shrinks, steps)
         stopped = _first(events, S.SURVIVORS_STOPPED, det["time"], until)
@@ -481,10 +558,22 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
     def add(row: int, a: float, b: float, cause: str) -> None:
         intervals.append((row, a - t0, max(a, b) - t0, cause))
 
+    def teardown(inc: Incarnation, until: float) -> bool:
+        """After `inc`, the supervisor's detection and teardown up to a job's `ended`."""
+        end = next((e["time"] for e in ends if inc.end < e["time"] <= until), None)
+        if end is None:
+            return False
+        det = next((d["time"] for d in dets if inc.start <= d["time"] <= end), None)
+        if det is not None and det > inc.end:
+            add(inc.index, inc.end, det, "detection")
+        add(inc.index, max(inc.end, det or inc.end), end, "other")
+        return True
+
     for i, inc in enumerate(incs):
         prev = incs[i - 1] if i else None
-        idle = prev is None or (prev.last(W.DONE) and not prev.ending_fault())
-        if idle:  # the first start, or one after a clean end: start-up from its launch
+        ended = prev is not None and teardown(prev, inc.start)  # then idle until a new launch
+        idle = prev is None or ended or (prev.last(W.DONE) and not prev.ending_fault())
+        if idle:  # the first start, or one after a clean end or a job's end: start-up from launch
             lo = prev.end if prev else -float("inf")
             launch = next((e for e in launches if lo <= e["time"] <= inc.start), None)
             if launch is not None:
@@ -505,13 +594,7 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
         for a, b, c in own:
             add(inc.index, a, b, c)
         other += max(0.0, inc.end - inc.start - sum(max(0.0, b - a) for a, b, _ in own))
-    last = incs[-1]
-    tail = next((e for e in ends if e["time"] > last.end), None)  # the supervisor's teardown
-    if tail is not None:
-        det = next((d["time"] for d in dets if last.start <= d["time"] <= tail["time"]), None)
-        if det is not None and det > last.end:
-            add(last.index, last.end, det, "detection")
-        add(last.index, max(last.end, det or last.end), tail["time"], "other")
+    teardown(incs[-1], float("inf"))
     totals = dict.fromkeys(CAUSES, 0.0)
     totals["other"] = other
     for _, a, b, c in intervals:

@@ -20,11 +20,19 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, contract, launch, runlog, snapshot
+from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog, snapshot
 from jaxpar import data as data_lib
-from jaxpar.checkpoint import Checkpointer, Preempted, ReplicaMismatch, replica_mismatches
-from jaxpar.config import TrainConfig, config_hash, to_dict
+from jaxpar.checkpoint import (
+    Checkpointer,
+    Preempted,
+    ReplicaMismatch,
+    replica_mismatches,
+    say,
+)
+from jaxpar.checkpoint import preflight as checkpoint_preflight
+from jaxpar.config import TrainConfig, config_hash, hashed_dict, to_dict, validate, warnings_for
 from jaxpar.faults import Faults, NonFiniteLoss
+from jaxpar.faults import check_processes as check_fault_processes
 from jaxpar.faults import parse_all as parse_faults
 from jaxpar.mesh import MeshSpec, make_mesh
 from jaxpar.metrics import (
@@ -103,8 +111,10 @@ def setup(
     run_dir: str,
     incarnation: int | None = None,
     devices: list | None = None,
+    create: bool = True,
 ) -> Session:
-    """Build the mesh (over `devices`, default all), data source and program; write config.json."""
+    """Build the mesh (over `devices`, default all), data source and program; write config.json
+    (create=False: write nothing yet, see `open_run_dir`)."""
     contract.check_model_config(cfg.model)
     validate_rules(preset.params)
     validate_rules(preset.acts)
@@ -113,16 +123,24 @@ def setup(
     check_vocab(cfg, source)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
-    run = RunDir(run_dir, jax.process_index(), incarnation)
-    if run.is_writer:
-        resolved = to_dict(cfg)
-        resolved["mesh_resolved"] = str(MeshSpec(**dict(mesh.shape)))
-        resolved["config_hash"] = config_hash(cfg)
-        write_json(run.file(runlog.CONFIG), resolved)
+    run = RunDir(run_dir, jax.process_index(), incarnation, create=False)
     kind = jax.devices()[0].device_kind
-    return Session(
+    s = Session(
         cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind)
     )
+    if create:
+        open_run_dir(s)
+    return s
+
+
+def open_run_dir(s: Session) -> None:
+    """Create the run directory and write config.json (after every check has passed)."""
+    s.run.create()
+    if s.run.is_writer:
+        resolved = to_dict(s.cfg)
+        resolved["mesh_resolved"] = str(MeshSpec(**dict(s.mesh.shape)))
+        resolved["config_hash"] = config_hash(s.cfg)
+        write_json(s.run.file(runlog.CONFIG), resolved)
 
 
 def device_batch(s: Session, step: int, split: str = "train") -> dict:
@@ -201,7 +219,7 @@ METRICS_LINE_KEYS = frozenset(
 def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
     cfg = s.cfg
     meta = {
-        "config_hash": config_hash(cfg),
+        **_config_meta(cfg),
         "mesh": str(MeshSpec(**dict(s.mesh.shape))),
         "nproc": jax.process_count(),
         "jaxpar_version": __version__,
@@ -214,6 +232,10 @@ def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
     faults.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
     ckpt.warm_up(s.program.abstract_state)  # compile the checksums now, not in the first save
     return ckpt
+
+
+def _config_meta(cfg: TrainConfig) -> dict:
+    return {"config_hash": config_hash(cfg), "config": hashed_dict(cfg)}
 
 
 def _layout_bound_target(s: Session, ckpt: Checkpointer) -> tuple[dict, int | None]:
@@ -316,6 +338,7 @@ def check_replicas(s: Session, state: dict, when: str) -> None:
 
 
 def _stop_requested(s: Session, ckpt: Checkpointer, step: int, t_start: float) -> str | None:
+    ckpt.check()  # a background save that failed (a full disk) stops the run now
     if ckpt.reached_preemption(step):
         return "preempted"
     limit = s.cfg.run.max_wall_s
@@ -333,6 +356,47 @@ def _save(s: Session, ckpt: Checkpointer, state: dict, step: int, force: bool = 
     ckpt.save(step, state, force=force)
 
 
+class NothingToDo(Exception):
+    """The run directory's checkpoint is already at or past the requested steps."""
+
+
+def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
+    """Every check that can refuse a run, before it writes anything to `run_dir`: config ranges,
+    fault specs, the path, the newest checkpoint's config. Returns the parsed fault specs.
+
+    Raises ValueError (CheckpointMismatch) naming the fix, or NothingToDo."""
+    validate(cfg)
+    specs = parse_faults(list(faults))
+    if not os.environ.get(launch.ENV_SUPERVISED):  # a launched job may have shrunk since
+        check_fault_processes([s for s in specs if s.text in faults], jax.process_count())
+    rundir.check_path(run_dir)
+    ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
+    meta = _config_meta(cfg)
+    step = checkpoint_preflight(ckpt_dir, meta, which=cfg.ckpt.restore, force=cfg.ckpt.force)
+    if step is not None and step >= cfg.train.steps and not os.environ.get(launch.ENV_SUPERVISED):
+        raise NothingToDo(f"checkpoint at step {step} ≥ --steps {cfg.train.steps}; nothing to do")
+    return specs
+
+
+def _lock(s: Session) -> rundir.RunDirLock | None:
+    """The run directory's lock: process 0 takes it (or runs under its supervisor's) for every
+    process; RunDirLocked on all processes when another run holds it."""
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = rundir.acquire_or_inherit(s.run.path, "python -m train")
+        except rundir.RunDirLocked as e:
+            error = str(e)
+    ok = np.int32(not error)
+    if jax.process_count() > 1:
+        ok = multihost_utils.broadcast_one_to_all(ok)
+    if not ok:
+        raise rundir.RunDirLocked(error or rundir.locked_message(s.run.path))
+    if lock is not None and lock.took_over and lock.took_over.get("pid"):
+        say(f"took over the lock of {rundir.describe(lock.took_over)}, which is no longer running")
+    return lock
+
+
 def run(
     cfg: TrainConfig,
     preset: Preset,
@@ -343,26 +407,49 @@ def run(
 ) -> dict:
     """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict.
 
-    Raises Preempted (after a coordinated save), NonFiniteLoss or ReplicaMismatch.
+    Nothing is written to `run_dir` until every check has passed (`preflight`, the mesh and
+    program) and the run directory's lock is held. Raises Preempted (after a coordinated save),
+    NonFiniteLoss, ReplicaMismatch, NothingToDo, or ValueError for a refused run.
     """
     t_start = time.time()
     cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
-    compile_cache.configure(
-        os.path.join(run_dir, runlog.COMPILED) if cfg.run.compile_cache else None
-    )
-    s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None)
+    specs = preflight(cfg, run_dir, list(faults))
+    s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
+    lock = _lock(s)
+    try:
+        return _run_locked(s, specs, t_start, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) -> dict:
+    cfg = s.cfg
+    open_run_dir(s)
+    compile_cache.configure(s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None)
+    if s.run.is_writer:
+        for name, bad in s.run.unreadable_lines().items():
+            say(f"{s.run.file(name)}: skipped {bad} unreadable line(s) (torn or not JSON)")
+        for text in warnings_for(cfg):
+            say(f"warning: {text}")
     if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
         multihost_utils.sync_global_devices("jaxpar_start")
     s.run.write_incarnation()
+    mesh_text = str(MeshSpec(**dict(s.mesh.shape)))
     warning = contract.unsharded_warning(s.program.param_logical)
     if warning and s.run.is_writer:
         print(f"jaxpar: {warning}", file=sys.stderr)
     s.run.event(
-        W.START, nproc=jax.process_count(), mesh=str(MeshSpec(**dict(s.mesh.shape))),
+        W.START, nproc=jax.process_count(), mesh=mesh_text,
         warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
     )  # fmt: skip
-    inject = Faults(parse_faults(list(faults)), s.run, jax.process_index())
+    if s.run.is_writer:
+        say(
+            f"{cfg.name}: mesh {mesh_text} on {jax.device_count()} {jax.devices()[0].platform} "
+            f"device(s), {jax.process_count()} process(es); run directory {s.run.path}"
+        )
+    inject = Faults(specs, s.run, jax.process_index())
     ckpt = _checkpointer(s, inject)
     tier = _local_tier(s, inject)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
@@ -381,7 +468,14 @@ def run(
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
         launch.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
-        last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
+        try:
+            last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
+        except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
+            kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
+            own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
+            if own and not getattr(e, "interrupted", False):  # name an injected fault as such
+                e.args = (f"{e.args[0]} (injected fault {', '.join(own)})", *e.args[1:])
+            raise
     finally:
         pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
         ckpt.close()
@@ -415,7 +509,10 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
             kind = W.PREEMPTED if stop == "preempted" else W.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
-                raise Preempted(f"preempted at step {step}; saved")
+                if ckpt.interrupted:
+                    msg = f"interrupted at step {step}; checkpoint saved"
+                    raise Preempted(msg, step, interrupted=True, run_dir=s.run.path)
+                raise Preempted(f"preempted at step {step}; saved", step)
             return step
         inject.before_step(step)
         # `step` steps done, arrived at the next; before any cross-process sync, so a slow

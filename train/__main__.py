@@ -13,10 +13,10 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from jaxpar.cli import add_train_arguments
+    from jaxpar.cli import Parser, add_train_arguments
 
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[0])
-    return add_train_arguments(p).parse_args(argv)
+    p = Parser(prog="python -m train", description=__doc__.split("\n\n")[0])
+    return add_train_arguments(p, argv).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

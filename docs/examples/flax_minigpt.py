@@ -98,7 +98,7 @@ class TokenAndPositionEmbedding(nnx.Module):
         # Look up the positional embeddings for each position in the input sequence.
         position_embedding = self.pos_emb(positions)
         # Look up the token embeddings for each token in the input sequence.
-        token_embedding = self.token_emb(x)
+        token_embedding = self.token_emb(x, out_sharding=jax.typeof(x).sharding)
         # Combine token and positional embeddings.
         return token_embedding + position_embedding
 
@@ -139,7 +139,7 @@ class MiniGPT(nnx.Module):
         x = self.transformer_blocks(x)
         # Pass the output of the transformer blocks through the output layer,
         # and obtain logits for each token in the vocabulary (for next token prediction).
-        return self.output_layer(x)
+        return reshard(self.output_layer(x), jax.typeof(inputs).sharding)
 
     def sample_from(self, logits):
         logits, indices = jax.lax.top_k(logits, k=top_k)

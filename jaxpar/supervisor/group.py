@@ -97,6 +97,7 @@ class LocalGroup:
             incarnation=spec["incarnation"], faults=spec.get("faults", self.opts.faults),
             heartbeat_timeout=spec["collective_timeout"],
             collective_timeout=spec["collective_timeout"], layout=spec.get("layout"),
+            run_lock=spec.get("run_lock"),
         )  # fmt: skip
 
     def start(self, spec: dict) -> None:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from jaxpar import launch as L
-from jaxpar import runlog
+from jaxpar import rundir, runlog
 from jaxpar.mesh import mesh_text
 from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
@@ -49,6 +49,7 @@ class Supervisor:
         self.nodes: list[LocalNode | RemoteNode] = []
         self.slots: list[tuple[int, int]] = []  # (node, local index), indexed by process id
         self.layout: dict | None = None  # after a shrink: {"mesh", "microbatches"} for workers
+        self.lock: rundir.RunDirLock | None = None  # held for the whole job
         self.incarnation = 0
         self.restarts = 0  # group restarts of any kind
         self.counted = 0  # those that count against --max-restarts
@@ -78,8 +79,18 @@ class Supervisor:
         t0 = time.time()
         try:
             os.makedirs(self.run_dir, exist_ok=True)
+            # one job per run directory: a second `jaxpar launch` or `python -m train` refuses
+            self.lock = rundir.acquire(self.run_dir, "jaxpar launch")
+        except ValueError as e:
+            say(f"error: {e}")
+            return 2
+        except OSError as e:
+            say(f"error: cannot write the run directory {self.run_dir}: {e.strerror or e}")
+            return 2
+        try:
             key = token(self.opts) if self.opts.nnodes > 1 else b""
-        except (OSError, ValueError) as e:
+        except ValueError as e:
+            self.lock.release()
             say(f"error: {e}")
             return 2
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -106,6 +117,8 @@ class Supervisor:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self._summary(time.time() - t0, status)
+            if self.lock is not None:
+                self.lock.release()
         return code
 
     def _summary(self, wall_s: float, status: str) -> None:
@@ -166,6 +179,11 @@ class Supervisor:
             return (
                 f"process {out.process} exited with code 2 (a usage or configuration error, "
                 f"restarting will not help)"
+            )
+        if out.code == L.EXIT_NO_SPACE:
+            return (
+                f"process {out.process} ran out of disk space in {self.run_dir} (exit "
+                f"{L.EXIT_NO_SPACE}); free space there, then run the same command again"
             )
         if crash.record(out.cause, out.step):
             where = f"step {out.step}" if out.step is not None else "start-up"
@@ -249,7 +267,8 @@ class Supervisor:
             node.start({"incarnation": self.incarnation, "coordinator": coordinator,
                         "bind": join_address(self.opts.bind, port), "nproc": nproc,
                         "process_ids": ids, "attempt": self.restarts, "faults": self.opts.faults,
-                        "collective_timeout": coll, "layout": self.layout})  # fmt: skip
+                        "collective_timeout": coll, "layout": self.layout,
+                        "run_lock": self.lock.token})  # fmt: skip
         say(f"incarnation {self.incarnation}: {nproc} processes started, coordinator {coordinator}")
         out = self._watch(nproc, mon, t_spawn, hang, startup)
         if mon.hb.stepping_since is not None:  # the slowest start-up so far sets the next timeout

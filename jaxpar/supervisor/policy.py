@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from jaxpar import launch as L
 from jaxpar.mesh import AXES, BATCH_AXES, HOST_AXES, batch_ways
+from jaxpar.rundir import ENV_RUN_LOCK
 
 THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -144,6 +145,7 @@ def worker_env(
     base: dict[str, str], *, coordinator: str, bind: str, nproc: int, process_id: int,
     local_rank: int, devices_per_proc: int, run_dir: str, incarnation: int, faults: list[str],
     heartbeat_timeout: float, collective_timeout: float, layout: dict | None = None,
+    run_lock: str | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The environment of one worker (the contract is in jaxpar/launch.py). `layout` is a
     shrunk job's {"mesh": "data=4,...", "microbatches": M}; the training loop applies it."""
@@ -170,6 +172,9 @@ def worker_env(
     )
     for key in (L.ENV_MESH, L.ENV_MICROBATCHES):
         env.pop(key, None)  # only the supervisor's own layout, never one inherited
+    env.pop(ENV_RUN_LOCK, None)
+    if run_lock:  # the workers run under the supervisor's lock on the run directory
+        env[ENV_RUN_LOCK] = run_lock
     if layout:
         env[L.ENV_MESH] = str(layout["mesh"])
         env[L.ENV_MICROBATCHES] = str(int(layout["microbatches"]))

@@ -274,6 +274,8 @@ def check_spec(spec: object) -> dict:
         raise ChannelError("spec 'faults' must be a list of strings")
     if not isinstance(spec.get("collective_timeout"), int | float):
         raise ChannelError("spec 'collective_timeout' must be a number")
+    if not isinstance(spec.get("run_lock", ""), str):
+        raise ChannelError("spec 'run_lock' must be a string")
     layout = spec.get("layout")
     if layout is not None and not (
         isinstance(layout, dict) and isinstance(layout.get("mesh"), str)

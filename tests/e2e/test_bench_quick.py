@@ -15,12 +15,14 @@ from tests.helpers import ok, run
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def bench(suite: str, out: str, timeout: float = 900) -> dict:
-    """`jaxpar bench SUITE --quick --out OUT` on 8 simulated devices; returns SUITE.json."""
-    args = [sys.executable, "-m", "jaxpar.cli", "bench", suite, "--quick", "--out", out]
-    text = ok(run(args, timeout=timeout, merge=True)).stdout
+def bench(suite: str, out: str, *args: str, timeout: float = 900) -> dict:
+    """`jaxpar bench SUITE --quick --out OUT [ARGS]` on 8 simulated devices; returns SUITE.json."""
+    cmd = [sys.executable, "-m", "jaxpar.cli", "bench", suite, "--quick", "--out", out, *args]
+    text = ok(run(cmd, timeout=timeout, merge=True)).stdout
     assert "|---" in text  # the markdown table is printed
-    with open(os.path.join(out, f"{suite}.json")) as f:
+    path = os.path.join(out, f"{suite}.json")
+    assert f"\nwrote {path}\n" in text  # and where its JSON went
+    with open(path) as f:
         return json.load(f)
 
 
@@ -41,8 +43,10 @@ def test_bench_overhead_quick(tmp_path):
 
 @pytest.mark.slow
 def test_bench_meshes_quick(tmp_path):
-    r = bench("meshes", str(tmp_path))
-    assert r["suite"] == "meshes" and r["layouts"]
+    r = bench(
+        "meshes", str(tmp_path), "--recipe", "digits_mlp"
+    )  # any recipe, from the command line
+    assert r["suite"] == "meshes" and r["recipe"] == "digits_mlp" and r["layouts"]
     devices = [row["devices"] for row in r["layouts"]]
     assert devices[0] == 1 and max(devices) == 8
     for row in r["layouts"]:

@@ -123,6 +123,37 @@ def test_report_of_a_run_in_progress(tmp_path):
     assert os.path.getsize(os.path.join(run, "report", "goodput.png")) > 0
 
 
+def test_a_second_launch_after_giving_up_counts_no_idle_time(tmp_path):
+    """Two `jaxpar launch` jobs in one run directory: the first gave up, the second resumed."""
+    run = str(tmp_path)
+    _ev(run, "launch", 0.0, 0, nproc=1)
+    _ev(run, "start", 1.0, 0, nproc=1, mesh="data=8")
+    _ev(run, "compiled", 2.0, 0, seconds=1.0)
+    _steps(run, 0, range(1, 3), t_first=3.0)  # steps 1, 2 end at 3, 4
+    _ev(run, "fault_injected", 4.5, 0, kind="kill", spec="kill@3", process=0, step=3)
+    _ev(run, "failure", 5.0, 0, cause="signal", process=0, code=-9, step=3)
+    _ev(run, "gave_up", 5.2, 0, reason="restart budget spent")
+    _ev(run, "ended", 5.5, 0, status="gave_up", wall_s=5.5)
+    _ev(run, "launch", 100.0, 1, nproc=1)  # an hour later: idle, counted nowhere
+    _ev(run, "start", 102.0, 1, nproc=1, mesh="data=8")
+    _ev(run, "restore", 103.0, 1, step=2)
+    _ev(run, "compiled", 104.0, 1, seconds=1.5)
+    _steps(run, 1, range(3, 5), t_first=105.0)  # steps 3, 4 end at 105, 106
+    _ev(run, "done", 107.0, 1, step=4)
+    _ev(run, "ended", 108.0, 1, status="completed", wall_s=8.0)
+    a = report.analyze(run)
+    t = a.totals
+    assert a.status == "completed"
+    assert t["startup"] == pytest.approx(1.0 + 2.0) and t["detection"] == pytest.approx(0.5)
+    assert t["restart"] == 0.0 and t["restore"] == pytest.approx(1.0)
+    assert t["productive"] == pytest.approx(4.0)
+    assert a.wall_s == pytest.approx(5.5 + 8.0) and sum(t.values()) == pytest.approx(a.wall_s)
+    (inc,) = a.timeline.incidents  # one failure, resumed by the second job
+    assert inc.cause == "signal" and inc.description.startswith("injected kill@3")
+    assert inc.phases["detect_s"] == pytest.approx(0.5) and inc.phases["stop_s"] is None
+    assert inc.resumed == 1 and inc.recovery_s == pytest.approx(105.0 - 4.5)
+
+
 def test_report_rejects_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ValueError, match="events.jsonl or metrics.jsonl"):
         report.analyze(str(tmp_path))

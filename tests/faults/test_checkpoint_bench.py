@@ -11,11 +11,12 @@ import json
 import pytest
 
 from jaxpar import bench_checkpoint
+from jaxpar.bench import Bench
 
 
 @pytest.mark.slow
 def test_quick_checkpoint_bench_reports_blocking_and_throughput(tmp_path, capsys, devices8):
-    result = bench_checkpoint.run(quick=True, out_dir=str(tmp_path))
+    result = bench_checkpoint.run(Bench.create(quick=True, out_dir=str(tmp_path)))
     table = capsys.readouterr().out
     assert "| sync / async blocking |" in table and "| throughput cost of saving |" in table
     with open(tmp_path / "checkpoint.json") as f:

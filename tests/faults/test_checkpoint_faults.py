@@ -212,12 +212,15 @@ def test_other_model_config_is_refused_unless_forced(reference, tmp_path):
     other = ("--set", "optim.weight_decay=0.02")
     refused = train(run_dir, *other)
     ok(refused, 2)
-    assert "ckpt.force=true" in refused.stderr and "config" in refused.stderr
+    assert (
+        "ckpt.force=true" in refused.stderr and "optim.weight_decay: 0.01 → 0.02" in refused.stderr
+    )
     assert not events(run_dir, "restore")
-    ok(train(run_dir, *other, "--set", "ckpt.force=true"))
+    # step 30 is already the last step (nothing to do): force the load of 20 and train on
+    ok(train(run_dir, *other, "--set", "ckpt.force=true", "--set", "ckpt.restore=20"))
     (forced,) = events(run_dir, "restore_forced")
-    assert forced["step"] == 30 and forced["from_config"] != forced["to_config"]
-    assert events(run_dir, "restore")[0]["step"] == 30
+    assert forced["step"] == 20 and forced["from_config"] != forced["to_config"]
+    assert events(run_dir, "restore")[0]["step"] == 20
 
 
 def test_wall_time_limit_saves_and_exits_cleanly(reference, tmp_path):

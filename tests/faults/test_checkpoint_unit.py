@@ -190,6 +190,22 @@ def test_truncated_file_is_a_read_error_and_falls_back(tmp_path, meshes8):
     assert bad["step"] == 2 and bad["reason"].startswith(("read", "checksum")), bad
 
 
+def test_every_checkpoint_corrupt_and_set_aside_are_on_the_console(tmp_path, meshes8, capsys):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    ckpt_dir = str(tmp_path / "run" / "checkpoints")
+    for step in (1, 2):
+        target = array_data_files(f"{ckpt_dir}/{step}")[0]
+        os.truncate(target, os.path.getsize(target) // 2)
+    ckpt = checkpointer(tmp_path)
+    assert ckpt.restore(abstract(s1, mesh)) is None
+    ckpt.close()
+    err = capsys.readouterr().err
+    for step in (1, 2):
+        assert f"checkpoint step {step} is damaged" in err and "set aside as" in err, err
+    assert "every checkpoint is corrupt (steps [2, 1]), starting from step 0" in err, err
+
+
 def test_restore_which_config_refusal_and_force(tmp_path, meshes8):
     mesh = meshes8["dp8"]
     s1, s2 = saved_twice(tmp_path, mesh)

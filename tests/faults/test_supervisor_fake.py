@@ -118,7 +118,7 @@ def test_sigstop_hang_names_the_stopped_process(tmp_path):
     assert run.summary()["status"] == "completed"
 
 
-def test_disk_full_supervisor_carries_on_with_one_line(tmp_path):
+def test_disk_full_supervisor_stops_with_one_line(tmp_path):
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root and mount(8)")
     mnt = tmp_path / "small"
@@ -144,7 +144,28 @@ def test_disk_full_supervisor_carries_on_with_one_line(tmp_path):
         text = run.output()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-    assert rc == 1, text  # the workers cannot write either: a crash loop, given up cleanly
+    # the run directory's lock cannot be written: one line naming the error and the directory
+    assert rc == 2, text
     assert "Traceback" not in text, text
-    assert text.count("No space left on device") == 1, text  # said once, not per write
-    assert "giving up: crash loop" in text, text
+    assert text.count("No space left on device") == 1 and str(run_dir) in text, text
+
+
+def test_second_launch_on_the_same_run_dir_refuses_naming_the_holder(tmp_path):
+    env = clean_env()
+    env["FAKE_STEP_S"] = "0.1"
+    first = _fake(tmp_path, "train", 60, env=env)
+    second = None
+    try:
+        _wait_for_heartbeat(first, 1, 1)
+        second = Launch(first.run_dir, ["--nproc", "1"], fake_cmd(tmp_path, "train", 2),
+                        name="second")  # fmt: skip
+        assert second.wait(60) == 2
+        out = second.output().strip()
+        assert len(out.splitlines()) == 1 and "in use by jaxpar launch" in out, out
+        assert f"pid {first.proc.pid}" in out
+        assert first.wait(120) == 0, first.output()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    assert first.summary()["status"] == "completed"

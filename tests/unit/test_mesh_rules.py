@@ -182,8 +182,10 @@ def test_check_spec_rejects_an_axis_used_twice():
 
 
 def test_named_sharding_checks_rank(mesh222):
-    with pytest.raises(ValueError, match=r"w: 1 logical names \('mlp',\) for shape \(4, 4\)"):
-        named_sharding("w", (4, 4), ("mlp",), PARAM_RULES, mesh222)
+    with pytest.raises(ValueError, match=r"w: 3 logical names \('mlp', None, None\) for shape"):
+        named_sharding("w", (4, 4), ("mlp", None, None), PARAM_RULES, mesh222)
+    # fewer names than dimensions: the rest unnamed, as in a PartitionSpec
+    assert named_sharding("w", (4, 4), ("mlp",), PARAM_RULES, mesh222).spec == P("tensor", None)
     assert named_sharding("b", (4,), None, PARAM_RULES, mesh222).spec == P()
 
 

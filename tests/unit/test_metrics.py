@@ -39,7 +39,7 @@ def test_append_and_read_jsonl_skip_torn_last_line(tmp_path):
         f.write('{"a": 3, "b"')  # a writer killed mid-line
     got = read_jsonl(path)
     assert [g["a"] for g in got] == [1, 2]
-    assert got[0]["x"] != got[0]["x"]  # NaN survives (full float precision, JSON NaN)
+    assert got[0]["x"] is None  # strict JSON: a non-finite value is written as null
 
 
 def test_write_json_is_atomic_and_round_trips(tmp_path):

@@ -96,3 +96,17 @@ def test_an_unannotated_model_is_warned_about():
     assert "nothing is sharded" in unsharded_warning({"w": None, "b": {"x": None}})
     assert "nothing is sharded" in unsharded_warning({"w": (None, None)})
     assert unsharded_warning({"w": ("embed", None), "b": None}) is None
+
+
+def test_a_shorter_partition_spec_leaves_the_last_dimensions_unnamed(devices8):
+    import pytest
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar import build_mesh
+    from jaxpar.rules import PARAM_RULES, named_sharding
+
+    mesh = build_mesh("data=2,tensor=4", devices8)
+    sh = named_sharding("w", (16, 8, 4), P(None, "mlp"), PARAM_RULES, mesh)
+    assert sh.spec == P(None, "tensor", None)
+    with pytest.raises(ValueError, match="3 logical names"):
+        named_sharding("b", (16, 8), (None, "mlp", None), PARAM_RULES, mesh)

@@ -1,0 +1,57 @@
+"""The bench registry: every suite has one signature, the help lists them with a rough duration,
+the shared writer prints the table and where the JSON went. Fast: no suite is run."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+
+import pytest
+
+from jaxpar import bench, cli
+
+
+def test_every_suite_resolves_to_a_function_of_one_bench():
+    assert {"overhead", "meshes", "checkpoint", "recovery", "pipeline", "comm", "precision"} <= set(
+        bench.SUITES
+    )
+    for name, suite in bench.SUITES.items():
+        mod, fn = suite.target.split(":")
+        params = list(inspect.signature(getattr(importlib.import_module(mod), fn)).parameters)
+        assert len(params) == 1, f"{name}: {suite.target} takes {params}, not one Bench"
+        assert suite.help and suite.duration.startswith("~")
+
+
+def test_help_lists_every_suite_with_its_duration(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name, suite in bench.SUITES.items():
+        assert f"  {name} " in out and suite.duration in out
+
+
+def test_unknown_suite_and_duplicate_registration_are_errors(tmp_path):
+    b = bench.Bench(cfg=None, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown bench suite 'nope'; use one of checkpoint"):
+        bench.run_suite("nope", b)
+    with pytest.raises(ValueError, match="registered twice"):
+        bench.register("comm", "jaxpar.bench_comm:run", "again", "~1 min")
+
+
+def test_write_prints_table_and_path(tmp_path, capsys):
+    b = bench.Bench(cfg=None, out_dir=str(tmp_path / "out"))
+    result = b.write(
+        "demo", {"suite": "demo", "x": 1}, bench.table(["a", "b"], [[1, 2]], "---|---:")
+    )
+    out = capsys.readouterr().out
+    path = tmp_path / "out" / "demo.json"
+    assert out == f"| a | b |\n|---|---:|\n| 1 | 2 |\n\nwrote {path}\n"
+    assert json.loads(path.read_text()) == result
+
+
+def test_bench_takes_the_recipe_and_overrides():
+    b = bench.Bench.create("digits_mlp", ["train.steps=3"], quick=True)
+    assert b.cfg.train.steps == 3 and b.recipe == "digits_mlp" and not b.default_recipe
+    assert bench.Bench.create().default_recipe
+    assert not bench.Bench.create(overrides=["train.steps=3"]).default_recipe

@@ -434,7 +434,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             _check(key, getattr(section, g.name), RANGES.get(key))
     for hook in USER_HOOKS:
         value = getattr(cfg, hook, None)
-        if value is not None and not callable(value):
+        transformation = hook == "optimizer" and hasattr(value, "init") and hasattr(value, "update")
+        if value is not None and not callable(value) and not transformation:
             raise ValueError(
                 f"{hook}={value!r}: a recipe sets it to a Python callable; it cannot be set "
                 f"with --set"

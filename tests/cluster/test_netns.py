@@ -136,6 +136,11 @@ def test_lost_coordinator_host_fails_clearly_and_resumes(hosts2, tmp_path):
     assert again.wait(1, 60) == 0, again.output(1)
     print(f"netns: host 0 lost, resumed to the end: {time.time() - t0:.0f}s")
     restore = events(run_dir, "restore")[-1]
-    assert restore["step"] == saved[-1]
+    # The newest persistent checkpoint, or a newer complete snapshot of host 1's local tier
+    # (host 0's RAM survived here: only its processes were killed).
+    if restore["tier"] == "persistent":
+        assert restore["step"] == saved[-1]
+    else:
+        assert restore["tier"] == "local" and saved[-1] <= restore["step"] <= done
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert summary(run_dir)["status"] == "completed"

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import step as _step  # noqa: F401 - builds annotated models without a mesh
 from jaxpar.models.gpt import GPTConfig
 from jaxpar.sample import Codec, generate
 
@@ -18,7 +17,8 @@ CFG = GPTConfig(vocab_size=300, seq_len=16, d_model=32, n_heads=4, n_layers=2, d
 
 @pytest.fixture(scope="module")
 def model():
-    return CFG.build(nnx.Rngs(params=0))
+    with nnx.use_eager_sharding(False):  # an annotated model built with no mesh
+        return CFG.build(nnx.Rngs(params=0))
 
 
 @nnx.jit

@@ -201,7 +201,8 @@ def test_restore_step_and_none(reference, tmp_path):
     assert "ckpt.restore=7" in bad.stderr and "[10, 20, 30]" in bad.stderr
     ok(train(run_dir, "--set", "ckpt.restore=none", faults=["kill@4"]), -9)
     assert [e["incarnation"] for e in events(run_dir, "restore")] == [1]  # none in the last
-    lines = [m for m in read_jsonl(f"{run_dir}/metrics.jsonl") if m.get("incarnation") == 3]
+    # incarnation 2: the refused ckpt.restore=7 run left the run directory unchanged
+    lines = [m for m in read_jsonl(f"{run_dir}/metrics.jsonl") if m.get("incarnation") == 2]
     assert [(m["step"], m["loss"]) for m in lines] == [(s, ref[s]) for s in (1, 2, 3)]
 
 

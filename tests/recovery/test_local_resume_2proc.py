@@ -120,5 +120,7 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     assert codes == [0, 0], [a.output() for a in agents]
     (restore,) = agents[0].events("restore")
     assert restore["tier"] == "peer" and restore["fetched"] == [0], restore
-    assert restore["step"] in (5, 6)
+    # the newest complete snapshot before the kill at 7; a peer copy still in flight when the
+    # host died is rejected (with an event) and the one before it is used
+    assert 1 <= restore["step"] <= 6
     assert_exact(run_dir, reference)

@@ -51,7 +51,8 @@ def test_straggler_reported_without_restart(reference):
     run.run_dir = run_dir
     (s,) = run.events("straggler")
     # the lag when first reported depends on timing; the factor is the detection criterion
-    assert s["process"] == 1 and s["lag_s"] > 0 and s["factor"] >= 2.0
+    assert s["process"] == 1 and s["lag_s"] > 0
+    assert s["factor"] is None or s["factor"] >= 2.0  # None: the others took no time (infinite)
     assert run.events("restart") == [] and run.summary()["restarts"] == 0
 
 

@@ -61,6 +61,26 @@ from tests import helpers
 PARITY_STEPS = 5
 
 
+# ---- parallel runs (pytest-xdist, `--dist loadgroup` in pyproject.toml) -------------------------
+
+# Folders whose tests share one worker: the cluster tests start one SLURM cluster and namespace
+# hosts with fixed addresses (never two at once); the sharding tests share compiled programs.
+SHARED_GROUPS = ("cluster", "sharding")
+
+
+def _group(item: pytest.Item) -> str:
+    rel = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)
+    return rel[0] if rel[0] in SHARED_GROUPS else "/".join(rel)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test module (its module fixtures are built once) or shared folder."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _device_count():
     got = jax.device_count()
@@ -74,7 +94,9 @@ def _device_count():
 def _subprocess_compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the session's subprocesses (tests.helpers.cpu_env);
     a child pytest (rerun_with_devices) keeps its parent's."""
-    os.environ.setdefault(helpers.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one for all workers
+    os.environ.setdefault(helpers.CACHE_ENV, str(shared / "jax-cache"))
     local = os.environ.setdefault(helpers.LOCAL_ENV, str(tmp_path_factory.getbasetemp() / "local"))
     os.environ.setdefault("JAXPAR_LOCAL_DIR", local)  # in-process runs too
 
@@ -293,7 +315,16 @@ def rerun_with_devices(request: pytest.FixtureRequest, devices: int, timeout: fl
         if not f.startswith("--xla_force_host_platform_device_count")
     ]
     env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}", *flags])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", request.node.nodeid]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-n",
+        "0",
+        helpers.plain_nodeid(request.node),
+    ]
     proc = subprocess.run(
         cmd, cwd=str(request.config.rootpath), env=env, capture_output=True, text=True,
         timeout=timeout,

@@ -104,3 +104,10 @@ def events(run_dir, name: str | None = None, incarnation: int | None = None) -> 
         if (name is None or e["event"] == name)
         and (incarnation is None or e["incarnation"] == incarnation)
     ]
+
+
+def plain_nodeid(item) -> str:
+    """The node id without the `@group` suffix xdist's loadgroup adds."""
+    mark = item.get_closest_marker("xdist_group")
+    suffix = f"@{mark.args[0]}" if mark and mark.args else ""
+    return item.nodeid[: -len(suffix)] if suffix and item.nodeid.endswith(suffix) else item.nodeid

@@ -23,6 +23,7 @@ import pytest
 from jaxpar.config import OptimConfig, PipelineConfig, TrainConfig
 from jaxpar.models.gpt import GPTConfig
 from jaxpar.parallel import pipeline
+from tests import helpers
 
 STEPS = 2
 LOSS_RTOL = 2e-6  # first-step loss, relative
@@ -168,8 +169,8 @@ def _in_child(request, layout) -> bool:
     if os.environ.get(CHILD):
         return True
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider",
-         request.node.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-n", "0", "-p", "no:cacheprovider",
+         helpers.plain_nodeid(request.node)],
         cwd=str(request.config.rootpath), env=dict(os.environ, **{CHILD: "1"}),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -223,6 +223,36 @@ def over_data(ctx: Context, local: Callable, in_specs: tuple, out_specs: Any) ->
     )  # fmt: skip
 
 
+class OverData(Strategy):
+    """Gradients in a shard_map manual over `data` (`over_data`): each replica accumulates its
+    own rows' gradients (`replica_gradients`), then `reduce` combines them once per step.
+
+    The strategy's own state entries (`extra_keys`) are per replica, [data, ...] split over
+    `data`: `reduce` sees and returns this replica's slice of each (a dict of them).
+    """
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+
+        def local(params, mstate, batch, key, own):
+            loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
+            own = jax.tree.map(lambda r: r[0], own)
+            loss, aux, grads, own = self.reduce(loss, aux, grads, own)
+            return loss, aux, grads, mstate, jax.tree.map(lambda r: r[None], own)
+
+        self._grads = over_data(ctx, local, (REP, REP, ROWS, REP, ROWS), (REP, REP, REP, REP, ROWS))
+
+    def reduce(self, loss: jax.Array, aux: Any, grads: Any, own: dict):
+        """(loss, aux, grads, own) of the whole batch from this replica's: by default one mean
+        over `data`."""
+        return (*jax.lax.pmean((loss, aux, grads), DATA), own)
+
+    def gradients(self, params: dict, batch: dict, key: jax.Array, extra: dict):
+        own = {k: extra[k] for k in self.extra_keys}
+        loss, aux, grads, mstate, own = self._grads(params, model_state(extra), batch, key, own)
+        return loss, aux, grads, with_model_state({**extra, **own}, mstate)
+
+
 def merge(graphdef: Any, template: nnx.State, pure: dict) -> Any:
     """A (sub)model rebuilt from a pure dict of its parameters (`template` untouched)."""
     state = jax.tree.map(lambda x: x, template)

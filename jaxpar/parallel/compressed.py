@@ -14,16 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.mesh import DATA
-from jaxpar.parallel.base import (
-    REP,
-    ROWS,
-    Context,
-    Strategy,
-    model_state,
-    over_data,
-    replica_gradients,
-    with_model_state,
-)
+from jaxpar.parallel.base import Context, OverData
 
 COMPRESS = ("none", "bf16", "int8")
 INT8_BLOCK = 256  # values per int8 scale: small blocks keep one outlier from flattening the rest
@@ -95,24 +86,20 @@ def compressed_mean(grads, residual, kind: str, axis: str, n: int):
     return mean, new_res
 
 
-class Compressed(Strategy):
+class Compressed(OverData):
     """The manual data axis with a compressed gradient mean and error feedback."""
 
     name = "compressed"
     extra_keys = ("comm",)
 
     def __init__(self, ctx: Context):
+        self._kind, self._n = ctx.cfg.comm.compress, ctx.mesh.shape[DATA]
         super().__init__(ctx)
-        kind, n = ctx.cfg.comm.compress, ctx.mesh.shape[DATA]
 
-        def local(params, mstate, batch, key, residual):
-            loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
-            residual = jax.tree.map(lambda r: r[0], residual)
-            grads, residual = compressed_mean(grads, residual, kind, DATA, n)
-            loss, aux = jax.lax.pmean((loss, aux), DATA)
-            return loss, aux, grads, mstate, jax.tree.map(lambda r: r[None], residual)
-
-        self._grads = over_data(ctx, local, (REP, REP, ROWS, REP, ROWS), (REP, REP, REP, REP, ROWS))
+    def reduce(self, loss, aux, grads, own):
+        grads, residual = compressed_mean(grads, own["comm"], self._kind, DATA, self._n)
+        loss, aux = jax.lax.pmean((loss, aux), DATA)
+        return loss, aux, grads, {"comm": residual}
 
     def state_shardings(self) -> dict:
         # per-replica error-feedback residuals: [data, *param shape]
@@ -126,9 +113,3 @@ class Compressed(Strategy):
         n = self.ctx.mesh.shape[DATA]
         comm = jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), state["params"])
         return {**super().init_state(state), "comm": comm}
-
-    def gradients(self, params, batch, key, extra):
-        loss, aux, grads, mstate, comm = self._grads(
-            params, model_state(extra), batch, key, extra["comm"]
-        )
-        return loss, aux, grads, with_model_state({**extra, "comm": comm}, mstate)

@@ -8,7 +8,8 @@ and a background thread writes them to `LOCAL_ROOT/run-<key>/proc<P>/slot{0,1}/`
 each block's offset, size and CRC-32). The loop waits only when the previous snapshot is still
 being written (at most two snapshots of a process exist at any time: the newest committed one
 and the one in progress). With more than one node, the writer also sends each snapshot to a
-process on the next node (jaxpar/snapshot_peer.py), which keeps it in its own local tier.
+process on the next node (jaxpar/snapshot_peer.py), which keeps it in its own local tier. The slot
+layout and the cross-process exchange both use are in jaxpar/snapshot_store.py.
 
 Double buffering across processes: before a process overwrites its older slot it waits (in its
 writer thread, on jax's coordination key-value store) until every process has committed its
@@ -53,15 +54,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import compile_cache
+from jaxpar import compile_cache, snapshot_peer
 from jaxpar.metrics import RunDir
 from jaxpar.runlog import W
+from jaxpar.snapshot_store import (  # noqa: F401 - DATA, MARKER, SLOTS: the tier's file layout
+    DATA,
+    MARKER,
+    SLOTS,
+    Slots,
+    exchange,
+    file_size,
+    kv_client,
+    read_bytes,
+    read_marker,
+    write_data,
+)
 
 AUTO_BYTES = 256 * 2**20  # per process: above this, snapshot every ceil(bytes / AUTO_BYTES)
 ENV_LOCAL_DIR = "JAXPAR_LOCAL_DIR"
 FORMAT = 1
-DATA, MARKER = "data.bin", "commit.json"
-SLOTS = 2
 KV_TIMEOUT_MS = 1000  # one wait on the key-value store; the writer loops until it stops
 
 
@@ -139,82 +150,6 @@ def layout(abstract_state) -> tuple[list[str], list[Block], str]:
 # ---- one double-buffered slot directory (own snapshots or a peer's copies) -------------------
 
 
-def read_marker(slot_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(slot_dir, MARKER)) as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
-
-
-class Slots:
-    """Two slot directories under `root`; a slot is valid when its commit marker is there."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.dirs = [os.path.join(root, f"slot{k}") for k in range(SLOTS)]
-
-    def committed(self) -> dict[int, dict]:
-        """slot -> marker, for slots with a readable marker."""
-        out = {}
-        for k, d in enumerate(self.dirs):
-            m = read_marker(d)
-            if m is not None:
-                out[k] = m
-        return out
-
-    def torn(self) -> list[int]:
-        """Slots with data but no commit marker (a write that never finished)."""
-        return [
-            k
-            for k, d in enumerate(self.dirs)
-            if os.path.exists(os.path.join(d, DATA)) and read_marker(d) is None
-        ]
-
-    def pick(self, keep: int | None) -> int:
-        """The slot to overwrite: not the one holding step `keep`; else the older or empty one."""
-        have = self.committed()
-        free = [k for k in range(SLOTS) if k not in have]
-        if free:
-            return free[0]
-        others = [k for k in have if have[k]["step"] != keep] or list(have)
-        return min(others, key=lambda k: have[k]["step"])
-
-    def begin(self, k: int) -> str:
-        """Invalidate slot k (its marker goes first) and return its directory."""
-        d = self.dirs[k]
-        os.makedirs(d, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(d, MARKER))
-        return d
-
-    def commit(self, k: int, marker: dict) -> None:
-        d = self.dirs[k]
-        tmp = os.path.join(d, MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(marker, f)
-        os.replace(tmp, os.path.join(d, MARKER))
-
-    def find(self, step: int) -> int | None:
-        for k, m in self.committed().items():
-            if m["step"] == step:
-                return k
-        return None
-
-    def drop_except(self, step: int | None) -> None:
-        """Invalidate every slot not holding `step`."""
-        for k, m in self.committed().items():
-            if m["step"] != step:
-                self.begin(k)
-
-
-def write_data(path: str, chunks) -> None:
-    with open(path, "wb") as f:
-        for c in chunks:
-            f.write(c)
-
-
 def verify(marker: dict, binding: dict, blocks: list[Block], size: int) -> str | None:
     """Why a marker cannot be used with this layout (None when it can; CRCs checked later)."""
     if marker.get("binding") != binding:
@@ -242,32 +177,6 @@ def check_crcs(marker: dict, data: memoryview) -> list[int]:
         if zlib.crc32(chunk) != e.get("crc"):
             bad.append(i)
     return bad
-
-
-# ---- cross-process exchange (jax's coordination key-value store) -----------------------------
-
-
-def _kv_client():
-    """jax.distributed's client (None in a single process). jax has no public key-value API;
-    Orbax uses the same client for its cross-process metadata."""
-    if jax.process_count() == 1:
-        return None
-    from jax._src import distributed  # noqa: PLC0415
-
-    return distributed.global_state.client
-
-
-def exchange(tag: str, obj, timeout_s: float = 300.0) -> list:
-    """Every process's `obj` (JSON), in process order; `tag` must be unique per incarnation."""
-    client = _kv_client()
-    if client is None:
-        return [obj]
-    client.key_value_set(f"jaxpar/{tag}/{jax.process_index()}", json.dumps(obj))
-    ms = int(timeout_s * 1000)
-    return [
-        json.loads(client.blocking_key_value_get(f"jaxpar/{tag}/{q}", ms))
-        for q in range(jax.process_count())
-    ]
 
 
 # ---- the tier ---------------------------------------------------------------------------------
@@ -427,7 +336,7 @@ class LocalTier:
         if self.peers is not None:
             self.peers.replicate(marker, chunks)
         del chunks
-        client = _kv_client()
+        client = kv_client()
         if client is not None:
             client.key_value_set(f"jaxpar/snap/{step}/{self.process}", "1", allow_overwrite=True)
             # Two back, never one: a slower process may still be waiting for our previous key;
@@ -439,7 +348,7 @@ class LocalTier:
 
     def _wait_others(self, step: int) -> None:
         """Until every process has committed its snapshot of `step` (own slot + peer copy)."""
-        client = _kv_client()
+        client = kv_client()
         if client is None:
             return
         for q in range(self.nproc):
@@ -483,7 +392,7 @@ class LocalTier:
         """step -> slot of this process's usable snapshots (binding and sizes checked)."""
         out = {}
         for k, marker in self.own.committed().items():
-            size = _size(os.path.join(self.own.dirs[k], DATA))
+            size = file_size(os.path.join(self.own.dirs[k], DATA))
             why = verify(marker, self.binding, self.blocks, size)
             if why is None:
                 out[marker["step"]] = k
@@ -503,8 +412,6 @@ class LocalTier:
         persistent checkpoint: (state, info) with info = {step, tier, fetched, skipped}.
         Every process must call it at start-up (it also meets the peers); persistent_newest
         -1 means: do not restore from this tier (a fresh start or an explicit step)."""
-        from jaxpar import snapshot_peer  # noqa: PLC0415 - the network half
-
         own = self._own_offer()
         offers, self.nodes, self.peers = snapshot_peer.Peers.meet(self, own)
         if persistent_newest is not None and persistent_newest < 0:
@@ -532,7 +439,7 @@ class LocalTier:
     def _load(self, step: int, own: dict[int, int]) -> tuple[dict | None, str, str]:
         """(state, "local" | "peer", why-not) for `step` on this process."""
         if step in own:
-            data = _read(os.path.join(self.own.dirs[own[step]], DATA))
+            data = read_bytes(os.path.join(self.own.dirs[own[step]], DATA))
             marker = read_marker(self.own.dirs[own[step]])
             source = "local"
         elif self.peers is not None:
@@ -590,18 +497,3 @@ def candidates(offers: list[dict], nproc: int) -> list[int]:
             if 0 <= int(src) < nproc:
                 have[int(src)] |= set(steps)
     return sorted(set.intersection(*have), reverse=True) if have else []
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
-
-
-def _read(path: str) -> bytearray | None:
-    try:
-        with open(path, "rb") as f:
-            return bytearray(f.read())
-    except OSError:
-        return None

@@ -24,7 +24,7 @@ import secrets
 import socket
 import threading
 
-from jaxpar import snapshot as snap
+from jaxpar import snapshot_store as snap
 from jaxpar.runlog import W
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -128,7 +128,9 @@ class Server:
         if msg.get("op") == "get":
             slots = self.slots(src)
             k = slots.find(int(msg.get("step", -1)))
-            data = snap._read(os.path.join(slots.dirs[k], snap.DATA)) if k is not None else None
+            data = (
+                snap.read_bytes(os.path.join(slots.dirs[k], snap.DATA)) if k is not None else None
+            )
             marker = snap.read_marker(slots.dirs[k]) if k is not None else None
             if data is None or marker is None:
                 return {"ok": False, "why": "no such copy"}, None
@@ -142,7 +144,7 @@ class Server:
             slots = self.slots(src)
             for k, m in slots.committed().items():
                 b = m.get("binding") or {}
-                size = snap._size(os.path.join(slots.dirs[k], snap.DATA))
+                size = snap.file_size(os.path.join(slots.dirs[k], snap.DATA))
                 if b.get("run") == run_key and b.get("process") == src and size == m.get("nbytes"):
                     out.setdefault(str(src), []).append(m["step"])
         return out

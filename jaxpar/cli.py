@@ -466,7 +466,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxpar.config import search_current_directory
+    from jaxpar.usercode import search_current_directory
 
     # `python -c`/`python -m jaxpar.cli` put the current directory first on sys.path: a folder
     # there named like an installed package (matplotlib/) must never shadow it.

@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import json
 import math
-import os
 import sys
 import types
 import typing
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpar.contract import ModelConfig, not_hashed  # noqa: F401 - ModelConfig re-exported
+from jaxpar.usercode import search_current_directory
 
 
 @dataclass(frozen=True)
@@ -467,9 +467,3 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
             "run (set ckpt.every=N to save every N steps)"
         )
     return out
-
-
-def search_current_directory() -> None:
-    """Let a user's modules in the current directory be imported, after the installed ones."""
-    if "" not in sys.path and "." not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append("")

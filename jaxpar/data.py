@@ -43,9 +43,12 @@ import grain
 import jax
 import numpy as np
 
+from jaxpar import data_tokens
+from jaxpar.data_spec import SPLITS, lm_spec, split_id  # noqa: F401 - lm_spec: part of this API
+from jaxpar.usercode import search_current_directory
+
 SOURCES = ("stdlib_text", "tokens", "digits", "synthetic_text", "synthetic_image")
 KINDS = ("lm", "classify")
-SPLITS = ("train", "eval")
 
 _CORPUS_CAP_BYTES = 8_000_000  # whole files up to this size: loads in well under a second
 _TEXT_EVAL_FRACTION = 0.05
@@ -93,18 +96,6 @@ class SourceArgs:
     seed: int = 0  # data.seed: the source's own randomness
     path: str = ""  # data.path
     dtype: str = ""  # data.dtype
-
-
-def _split_id(split: str) -> int:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    return SPLITS.index(split)
-
-
-def lm_spec(seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The example spec of every `lm` source: int32 inputs and targets of `seq_len`."""
-    one = jax.ShapeDtypeStruct((seq_len,), np.int32)
-    return {"inputs": one, "targets": one}
 
 
 def _classify_spec(image_shape: tuple[int, ...]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -174,12 +165,12 @@ class TextCorpusSource:
 
     def split_bytes(self, split: str) -> tuple[int, int]:
         """[start, stop) byte range of `split`."""
-        if _split_id(split) == 0:
+        if split_id(split) == 0:
             return 0, self.eval_start
         return self.eval_start, len(self.corpus)
 
     def size(self, split: str) -> int | None:
-        _split_id(split)
+        split_id(split)
         return None
 
     def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -188,7 +179,7 @@ class TextCorpusSource:
     def window_offset(self, index: int, split: str) -> int:
         """Start of the (seq_len + 1)-byte window of example `index`; depends on nothing else."""
         lo, hi = self.split_bytes(split)
-        rng = np.random.default_rng([self.seed, _split_id(split), index])
+        rng = np.random.default_rng([self.seed, split_id(split), index])
         return int(rng.integers(lo, hi - self.seq_len))  # window ends at or before `hi`
 
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
@@ -234,14 +225,14 @@ class DigitsSource:
     num_classes: int = _NUM_CLASSES
 
     def size(self, split: str) -> int | None:
-        return len(_digits_arrays()[2][SPLITS[_split_id(split)]])
+        return len(_digits_arrays()[2][SPLITS[split_id(split)]])
 
     def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         return _classify_spec(self.image_shape)
 
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
         images, labels, splits = _digits_arrays()
-        rows = splits[SPLITS[_split_id(split)]]
+        rows = splits[SPLITS[split_id(split)]]
         if not 0 <= index < len(rows):
             raise IndexError(f"digits {split} index {index} out of range [0, {len(rows)})")
         row = rows[index]
@@ -270,14 +261,14 @@ class SyntheticTextSource:
     kind: str = "lm"
 
     def size(self, split: str) -> int | None:
-        _split_id(split)
+        split_id(split)
         return None
 
     def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         return lm_spec(self.seq_len)
 
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, _split_id(split), index])
+        rng = np.random.default_rng([self.seed, split_id(split), index])
         return _lm_example(rng.integers(0, self.vocab_size, self.seq_len + 1))
 
     def describe(self) -> str:
@@ -307,14 +298,14 @@ class SyntheticImageSource:
         return rng.random((self.num_classes, *self.image_shape), dtype=np.float32)
 
     def size(self, split: str) -> int | None:
-        _split_id(split)
+        split_id(split)
         return None
 
     def spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         return _classify_spec(self.image_shape)
 
     def example(self, index: int, split: str) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, _split_id(split), index])
+        rng = np.random.default_rng([self.seed, split_id(split), index])
         label = rng.integers(0, self.num_classes)
         noise = rng.random(self.image_shape, dtype=np.float32)
         image = 0.5 * self._templates[label] + 0.5 * noise
@@ -367,8 +358,6 @@ def make_source(
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if name == "tokens":
-        from jaxpar import data_tokens  # noqa: PLC0415 - it builds on this module
-
         return data_tokens.open_tokens(path, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype)
     if name == "synthetic_text":
         if vocab_size < 2:
@@ -400,8 +389,6 @@ def source_label(source: Any) -> str:
 
 def _import(name: str) -> Any:
     mod_name, _, attr = name.partition(":")
-    from jaxpar.config import search_current_directory
-
     search_current_directory()  # a user's module in the current directory, like recipes
     try:
         mod = importlib.import_module(mod_name)
@@ -453,7 +440,7 @@ def describe(source: Source) -> str:
 
 def _shuffle_seed(seed: int, split: str) -> int:
     # Grain seeds epoch e with (seed + e): hash first so that seed 1 is not seed 0's epoch 2.
-    return int(np.random.SeedSequence([seed, _split_id(split)]).generate_state(1)[0])
+    return int(np.random.SeedSequence([seed, split_id(split)]).generate_state(1)[0])
 
 
 def _stream_key(seed: int, position: int) -> int:

@@ -22,14 +22,14 @@ a process touches only the windows of its own rows of the global batch; nothing 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
-from jaxpar.data import SPLITS, lm_spec
+from jaxpar.data_spec import SPLITS, lm_spec, split_id
+from jaxpar.runlog import read_json_object
 
 FORMAT = "jaxpar-tokens"
 VERSION = 1
@@ -123,9 +123,7 @@ class TokenSource:
 
 
 def _split(split: str) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    return split
+    return SPLITS[split_id(split)]
 
 
 def _check_dtype(dtype: str, where: str) -> np.dtype:
@@ -154,12 +152,8 @@ def _shard(directory: str, name: object, tokens: object, itemsize: int) -> Shard
 
 def _read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable ({e}); rerun jaxpar data prepare") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(path, f"{FORMAT} meta file", "; rerun jaxpar data prepare")
+    if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} meta file (format={meta.get('format')!r})")
     if meta.get("version") != VERSION:
         raise ValueError(f"{path}: version {meta.get('version')!r}; this jaxpar reads {VERSION}")

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxpar import trained
 from jaxpar.config import TrainConfig, to_dict
+from jaxpar.runlog import read_json_object
 
 FORMAT = "jaxpar-params"
 
@@ -67,12 +68,8 @@ def load(file: str) -> tuple[TrainConfig, dict]:
     from safetensors.numpy import load_file
 
     cpath = config_path(file)
-    try:
-        with open(cpath) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cpath}: unreadable ({e}); export writes it beside {file}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(cpath, "jaxpar export config", f"; export writes it beside {file}")
+    if meta.get("format") != FORMAT:
         raise ValueError(f"{cpath}: not a jaxpar export config")
     cfg = TrainConfig(model=trained.model_config(meta.get("model"), f"{cpath} model"))
     tensors = load_file(file)

@@ -175,6 +175,31 @@ def write_json(path: str, obj: Any) -> None:
         raise
 
 
+MAX_JSON_BYTES = 64 << 20  # a JSON file read back (a config, a meta file): larger is refused
+
+
+def read_json_object(path: str, what: str = "JSON object", hint: str = "") -> dict:
+    """The JSON object in `path`, a file read from a run or data directory (untrusted input).
+
+    The file is read up to MAX_JSON_BYTES, parsed, and must hold an object (a dict). Anything
+    else raises ValueError naming the file and what it should be, followed by `hint` (e.g.
+    "; rerun jaxpar data prepare")."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{path}: unreadable ({e}){hint}") from None
+    if len(blob) > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_JSON_BYTES} bytes, not a {what}{hint}")
+    try:
+        obj = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: unreadable ({e}){hint}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: not a {what} (a {type(obj).__name__}, not an object){hint}")
+    return obj
+
+
 def read_jsonl_counted(path: str) -> tuple[list[dict], int]:
     """(records, unreadable line count) of a JSONL file; ([], 0) if absent.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import sys
 import typing
@@ -27,7 +26,9 @@ from flax import nnx
 from jaxpar import config as config_lib
 from jaxpar.checkpoint import CHECKSUMS_FILE, checksums
 from jaxpar.mesh import make_mesh
+from jaxpar.runlog import read_json_object
 from jaxpar.step import abstract_model
+from jaxpar.usercode import search_current_directory
 
 
 def _section(cls: type, values: object, where: str) -> Any:
@@ -52,7 +53,7 @@ def model_config(values: object, where: str) -> Any:
     if not isinstance(values, dict) or not isinstance(values.get("_class"), str):
         raise ValueError(f"{where}: no model '_class'; was this written by jaxpar?")
     mod_name, _, qual = values["_class"].partition(":")
-    config_lib.search_current_directory()  # a user's model package, after the installed ones (like recipes)
+    search_current_directory()  # a user's model package, after the installed ones (like recipes)
     try:
         cls = importlib.import_module(mod_name)
         for part in qual.split("."):
@@ -72,15 +73,7 @@ def load_config(run_dir: str) -> config_lib.TrainConfig:
     path = os.path.join(run_dir, "config.json")
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir}: no such run directory")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"{path}: unreadable ({e}); is {run_dir} a jaxpar run directory?"
-        ) from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: not a jaxpar config")
+    raw = read_json_object(path, "jaxpar config", f"; is {run_dir} a jaxpar run directory?")
     kwargs = {"model": model_config(raw.get("model"), f"{path} model")}
     for f in dataclasses.fields(config_lib.TrainConfig):
         if f.name == "model" or f.name not in raw:
@@ -125,8 +118,7 @@ def _restore_step(run_dir: str, step: int, target: dict) -> dict:
     )
     with ocp.PyTreeCheckpointer() as ckptr:
         state = ckptr.restore(os.path.join(path, "state"), args=args)
-    with open(os.path.join(path, CHECKSUMS_FILE)) as f:
-        saved = json.load(f)
+    saved = read_json_object(os.path.join(path, CHECKSUMS_FILE), "checksums file")
     sums = checksums(state)
     bad = sorted(k for k, v in sums.items() if saved.get(k) != v)
     if bad:

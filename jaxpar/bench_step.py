@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jaxpar import bench_plain, collectives
 from jaxpar import data as data_lib
 from jaxpar.bench import Bench, table
+from jaxpar.mesh import AXES, BATCH_AXES, DATA
 from jaxpar.step import make_optimizer
 from jaxpar.trainer import compile_step, device_batch, setup
 
@@ -77,17 +78,49 @@ def overhead(b: Bench) -> dict:
 
 # ---- meshes -----------------------------------------------------------------------------------
 
-MESH_LAYOUTS = (
-    ("data=1", 1), ("data=2", 2), ("data=4", 4), ("data=8", 8), ("fsdp=8,data=1", 8),
-    ("data=2,tensor=4", 8), ("data=4,tensor=2", 8), ("data=2,fsdp=2,tensor=2", 8),
-)  # fmt: skip
+MAX_DEVICES = 8
+# The axes the sweep lays out (all of jaxpar.mesh.AXES but pipeline: `jaxpar bench pipeline`
+# measures it, and a pipeline layout needs a recipe with stacked layers).
+SWEPT_AXES = tuple(a for a in AXES if a != "pipeline")
+
+
+def mesh_layouts(max_devices: int = MAX_DEVICES) -> tuple[tuple[str, int], ...]:
+    """(mesh spec, devices) of each measured layout, derived from the axis table
+    (jaxpar.mesh.AXIS_INFO): `data` alone on 1, 2, 4, ... devices; then, on `max_devices`,
+    all of them on each other batch axis (fsdp), `data` with each axis that does not split the
+    batch (tensor) both ways round, and every swept axis at 2 when that fits."""
+    out = [(f"{DATA}={n}", n) for n in _powers_of_two(max_devices)]
+    for a in SWEPT_AXES:
+        if a == DATA:
+            continue
+        if a in BATCH_AXES:
+            out.append((f"{a}={max_devices},{DATA}=1", max_devices))
+        else:
+            splits = [d for d in _powers_of_two(max_devices) if 1 < d < max_devices]
+            out += [(f"{DATA}={d},{a}={max_devices // d}", max_devices) for d in splits]
+    if 2 ** len(SWEPT_AXES) <= max_devices:
+        out.append((",".join(f"{a}=2" for a in SWEPT_AXES), 2 ** len(SWEPT_AXES)))
+    return tuple(out)
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [2**k for k in range(n.bit_length()) if 2**k <= n]
+
+
+def quick_layouts(layouts: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """`--quick`: `data` alone on 1, 2 and the most devices."""
+    pure = [(spec, n) for spec, n in layouts if spec == f"{DATA}={n}"]
+    return tuple(pure[:2] + pure[-1:]) if len(pure) > 2 else tuple(pure)
+
+
+MESH_LAYOUTS = mesh_layouts()
 
 
 def meshes(b: Bench) -> dict:
     """Throughput and collective bytes per step for each layout on 1..8 devices."""
     cfg = b.cfg
     steps = 3 if b.quick else 12
-    layouts = MESH_LAYOUTS[:2] + MESH_LAYOUTS[3:4] if b.quick else MESH_LAYOUTS
+    layouts = quick_layouts(MESH_LAYOUTS) if b.quick else MESH_LAYOUTS
     rows, out = [], []
     for spec, n in layouts:
         if n > jax.device_count():

@@ -118,7 +118,7 @@ def initialize_from_env() -> bool:
     JAXPAR_COORDINATOR_BIND says otherwise. Returns whether jax.distributed was started.
     """
     kind = detect_cluster()
-    _die_with_supervisor()
+    die_with_supervisor()
     if kind is None:
         return False
     import jax
@@ -159,7 +159,7 @@ def barrier(name: str) -> None:
     distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
 
 
-def _die_with_supervisor() -> None:
+def die_with_supervisor() -> None:
     """Ask Linux to SIGKILL this worker if its supervisor dies (no orphaned workers)."""
     parent = os.environ.get(ENV_SUPERVISOR_PID)
     if not parent or not sys.platform.startswith("linux"):

@@ -104,7 +104,7 @@ def activate(msg: dict) -> None:
 
 
 def main() -> int:
-    launch._die_with_supervisor()  # no orphans: a spare dies with the supervisor
+    launch.die_with_supervisor()  # no orphans: a spare dies with the supervisor
     preload(os.environ.get("JAXPAR_SPARE_MODULE"))
     print(f"spare {os.getpid()}: ready", flush=True)
     line = sys.stdin.readline()

@@ -503,14 +503,7 @@ class Checkpointer:
             self.run.event(W.UNCOMMITTED_IGNORED, dirs=self.uncommitted)
         if which == "none":
             return None
-        steps = self.committed_steps()
-        if which != "latest":
-            if not which.isdigit() or int(which) not in steps:
-                raise ValueError(
-                    f"ckpt.restore={which}: no committed checkpoint at that step in "
-                    f"{self.directory} (committed: {steps}); use latest, none or one of those"
-                )
-            steps = [int(which)]
+        steps = restore_candidates(which, self.committed_steps(), self.directory)
         skipped = []
         for step in reversed(steps):
             got = self._try_restore(step, abstract_state, force)
@@ -601,6 +594,19 @@ def committed_on_disk(ckpt_dir: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
 
 
+def restore_candidates(which: str, steps: list[int], directory: str) -> list[int]:
+    """The committed `steps` (oldest first) a restore tries for ckpt.restore=`which`: all of
+    them for "latest", else just that step, which must be committed (ValueError)."""
+    if which == "latest":
+        return steps
+    if not which.isdigit() or int(which) not in steps:
+        raise ValueError(
+            f"ckpt.restore={which}: no committed checkpoint at that step in {directory} "
+            f"(committed: {steps}); use latest, none or one of those"
+        )
+    return [int(which)]
+
+
 def read_meta_file(ckpt_dir: str, step: int) -> dict | None:
     """A committed step's `meta` item (JSON), or None when it is unreadable."""
     try:
@@ -641,14 +647,7 @@ def preflight(
     sets them aside."""
     if which == "none":
         return None
-    steps = committed_on_disk(ckpt_dir)
-    if which != "latest":
-        if not which.isdigit() or int(which) not in steps:
-            raise ValueError(
-                f"ckpt.restore={which}: no committed checkpoint at that step in {ckpt_dir} "
-                f"(committed: {steps}); use latest, none or one of those"
-            )
-        steps = [int(which)]
+    steps = restore_candidates(which, committed_on_disk(ckpt_dir), ckpt_dir)
     for step in reversed(steps):
         have = read_meta_file(ckpt_dir, step)
         if have is None:

@@ -41,11 +41,19 @@ from jaxpar.goodput import ledger_of
 from jaxpar.metrics import read_jsonl
 from jaxpar.runlog import PHASES, S, W
 
-NPROC, DEVICES = 4, 2
+DEVICES = 2  # CPU devices per process
 # the default recipe made smaller for the quick version (each cold incarnation compiles in seconds).
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
-FULL = {"kills": (8, 14, 20, 26), "steps": 30, "every": 5, "periods": (30.0, 60.0), "cycles": 4}
-QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1}
+# quick: 2 processes instead of 4 (the same paths, half the processes on a small machine)
+FULL = {
+    "kills": (8, 14, 20, 26),
+    "steps": 30,
+    "every": 5,
+    "periods": (30.0, 60.0),
+    "cycles": 4,
+    "nproc": 4,
+}
+QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1, "nproc": 2}
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
     "persistent": ([], ["ckpt.local_every=0"]),
@@ -73,12 +81,12 @@ def _env() -> dict[str, str]:
 class _Job:
     """`jaxpar launch` in the background, in its own session (killed whole on exit)."""
 
-    def __init__(self, run_dir: str, args: list[str], command: list[str]):
+    def __init__(self, run_dir: str, nproc: int, args: list[str], command: list[str]):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.log = open(os.path.join(run_dir, "launch.log"), "wb")
         cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", run_dir]
-        cmd += ["--nproc", str(NPROC), "--devices-per-proc", str(DEVICES), *args, "--", *command]
+        cmd += ["--nproc", str(nproc), "--devices-per-proc", str(DEVICES), *args, "--", *command]
         self.proc = subprocess.Popen(
             cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -132,9 +140,9 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     launch_args, extra = MODES[mode]
     faults = []
     for i, step in enumerate(p["kills"]):
-        faults += ["--fault", f"kill@{step}:process={1 + i % (NPROC - 1)}"]
+        faults += ["--fault", f"kill@{step}:process={1 + i % (p['nproc'] - 1)}"]
     run_dir = os.path.join(root, f"recovery-{mode}")
-    job = _Job(run_dir, [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)],
+    job = _Job(run_dir, p["nproc"], [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)],
                _command(recipe, p["steps"], p["every"], overrides + extra))  # fmt: skip
     code = job.wait(timeout=3600)
     incidents = ledger_of(run_dir)
@@ -173,11 +181,12 @@ def _lost_steps(run_dir: str, events: list[dict]) -> list[int]:
     return out
 
 
-def measure_goodput(period: float, cycles: int, recipe: str, overrides: list[str], root: str):
+def measure_goodput(period: float, p: dict, recipe: str, overrides: list[str], root: str):
     """The job for `cycles` + 1 periods after its first step, a SIGKILL at the end of each of
     the first `cycles` periods; stopped (SIGTERM) once the last period is over."""
     run_dir = os.path.join(root, f"goodput-{int(period)}s")
-    job = _Job(run_dir, ["--max-restarts", str(cycles + 2)],
+    cycles = p["cycles"]
+    job = _Job(run_dir, p["nproc"], ["--max-restarts", str(cycles + 2)],
                _command(recipe, 1_000_000, 10, overrides))  # fmt: skip
     rng = random.Random(0)
     kills = 0
@@ -248,7 +257,7 @@ def run(b: Bench) -> dict:
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
         rec = [measure_recovery(m, recipe, p, overrides, root) for m in MODES]
-        good = [measure_goodput(t, p["cycles"], recipe, overrides, root) for t in p["periods"]]
+        good = [measure_goodput(t, p, recipe, overrides, root) for t in p["periods"]]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     cold, _, fast = rec
@@ -262,7 +271,7 @@ def run(b: Bench) -> dict:
         "quick": b.quick,
         "recipe": recipe,
         "overrides": overrides,
-        "nproc": NPROC,
+        "nproc": p["nproc"],
         "devices_per_proc": DEVICES,
         "recovery": rec,
         "recovery_s": fast["recovery_s"],

@@ -1,4 +1,4 @@
-"""`jaxpar bench precision --quick`: four variants (fp32/bf16 x remat off/on) of gpt_tiny on one
+"""`jaxpar bench precision --quick`: four variants (fp32/bf16 x remat off/on) of gpt_tiny (2 layers) on one
 device, in one subprocess; checks precision.json's shape and the deterministic memory figures
 (timings are not asserted: tests never assert on wall-clock time)."""
 
@@ -13,7 +13,7 @@ from tests.e2e.test_bench_quick import bench
 
 @pytest.mark.slow
 def test_bench_precision_quick(tmp_path):
-    r = bench("precision", str(tmp_path))
+    r = bench("precision", str(tmp_path), "--set", "model.n_layers=2")  # half of gpt_tiny: faster
     assert r["suite"] == "precision" and r["recipe"] == "gpt_tiny" and r["devices"] == 1
     rows = {(row["compute"], row["remat"]): row for row in r["rows"]}
     assert set(rows) == {("float32", "none"), ("float32", "block"), ("bfloat16", "none"),

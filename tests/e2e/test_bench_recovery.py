@@ -31,7 +31,7 @@ def test_bench_recovery_quick(tmp_path):
     assert "| restart path |" in text and "| failure every |" in text
     with open(os.path.join(tmp_path, "recovery.json")) as f:
         r = json.load(f)
-    assert r["suite"] == "recovery" and r["nproc"] == 4 and r["devices_per_proc"] == 2
+    assert r["suite"] == "recovery" and r["nproc"] == 2 and r["devices_per_proc"] == 2  # quick: 2
     cold, persistent, fast = r["recovery"]
     assert (cold["mode"], persistent["mode"], fast["mode"]) == ("cold", "persistent", "local")
     for mode in (cold, persistent, fast):

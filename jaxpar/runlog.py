@@ -77,13 +77,14 @@ class WorkerEvent:
     SNAPSHOT_TORN = "snapshot_torn"  # a slot with data and no commit marker (killed mid-write)
     SNAPSHOT_ERROR = "snapshot_error"  # the writer failed: the tier is off for this incarnation
     PEER_REPLICATION_FAILED = "peer_replication_failed"
+    LOCAL_FALLBACK = "local_fallback"  # snapshots existed, none usable: to, step, skipped, ...
 
     ALL = frozenset(
         {START, RESTORE, RESTORE_FORCED, COMPILED, DONE, PREEMPTED, WALL_TIME_LIMIT, NONFINITE,
          REPLICA_MISMATCH, COMM_STATE_RESET, SAVE_BEGIN, SAVE_END, CHECKPOINT_REPLACED,
          UNCOMMITTED_IGNORED, NO_GOOD_CHECKPOINT, CHECKPOINT_CORRUPT, FAULT_INJECTED, LOCAL_TIER,
          LOCAL_TIER_STATS, SNAPSHOT_REJECTED, SNAPSHOT_TORN, SNAPSHOT_ERROR,
-         PEER_REPLICATION_FAILED}
+         PEER_REPLICATION_FAILED, LOCAL_FALLBACK}
     )  # fmt: skip
 
 

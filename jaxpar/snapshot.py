@@ -21,7 +21,10 @@ this run's, sizes right) and, on each node's first process, the peer copies it h
 are exchanged; the newest step complete over all processes wins if it is not older than the
 newest persistent checkpoint. Each process then reads its blocks (or fetches them from the
 process holding its peer copy), checks every CRC, and the processes agree that all succeeded;
-otherwise that step is rejected (`snapshot_rejected`) and the next older one is tried.
+otherwise that step is rejected (`snapshot_rejected`) and the next older one is tried. When
+snapshots at least as new as the persistent checkpoint exist but none is used (rejected, or held
+by only some processes), `fallback` says so and the trainer announces the fallback to the
+persistent checkpoint or a fresh start (`local_fallback`).
 
 Snapshots are untrusted input: a marker is used only if its binding — this run (a hash of the
 run directory), config hash, process count and index, mesh, and a digest of every leaf's path,
@@ -217,6 +220,10 @@ class LocalTier:
         self.stats = Stats()
         self.error: str | None = None
         self.peers = None  # snapshot_peer.Peers once restore() has met the other processes
+        # after a restore() that found nothing usable although snapshots at least as new as the
+        # persistent checkpoint exist: {"skipped": rejected steps, "incomplete": steps some
+        # processes hold but not all} (the caller announces the fallback)
+        self.fallback: dict | None = None
         self.nodes: list[list[int]] = [[self.process]]  # processes per node, once met
         self._prev: int | None = None  # newest step this incarnation holds committed
         self._restored: int | None = None  # the step restored: complete everywhere already
@@ -414,12 +421,14 @@ class LocalTier:
         -1 means: do not restore from this tier (a fresh start or an explicit step)."""
         own = self._own_offer()
         offers, self.nodes, self.peers = snapshot_peer.Peers.meet(self, own)
+        self.fallback = None
         if persistent_newest is not None and persistent_newest < 0:
             return None
+        floor = -1 if persistent_newest is None else persistent_newest  # a tie goes to RAM
         steps = candidates(offers, self.nproc)
         skipped: list[int] = []
-        for step in steps:
-            if persistent_newest is not None and step < persistent_newest:
+        for step in steps:  # newest first; a rejected step makes way for the next older one
+            if step < floor:
                 break
             got, source, why = self._load(step, own)
             results = exchange(f"restore/{step}", {"ok": got is not None, "source": source,
@@ -434,6 +443,10 @@ class LocalTier:
             bad = {q: r["why"] for q, r in enumerate(results) if not r["ok"]}
             self.run.event(W.SNAPSHOT_REJECTED, step=step, tier="local", processes=bad)
             skipped.append(step)
+        incomplete = sorted((s for s in offered(offers, self.nproc) - set(steps) if s >= floor),
+                            reverse=True)  # fmt: skip
+        if skipped or incomplete:
+            self.fallback = {"skipped": skipped, "incomplete": incomplete}
         return None
 
     def _load(self, step: int, own: dict[int, int]) -> tuple[dict | None, str, str]:
@@ -443,8 +456,10 @@ class LocalTier:
             marker = read_marker(self.own.dirs[own[step]])
             source = "local"
         elif self.peers is not None:
-            marker, data = self.peers.fetch(step)
+            marker, data, why = self.peers.fetch(step)
             source = "peer"
+            if marker is None:
+                return None, source, why
         else:
             return None, "none", "no copy"
         if marker is None or data is None or marker.get("step") != step:
@@ -489,11 +504,22 @@ class _Stopped(Exception):
     pass
 
 
-def candidates(offers: list[dict], nproc: int) -> list[int]:
-    """Steps, newest first, for which every process has its own snapshot or a peer copy."""
+def _holdings(offers: list[dict], nproc: int) -> list[set[int]]:
+    """Per process: the steps of its snapshots found anywhere (its own, or a peer copy)."""
     have: list[set[int]] = [set(o["own"]) for o in offers]
     for o in offers:
         for src, steps in o.get("held", {}).items():
             if 0 <= int(src) < nproc:
                 have[int(src)] |= set(steps)
+    return have
+
+
+def candidates(offers: list[dict], nproc: int) -> list[int]:
+    """Steps, newest first, for which every process has its own snapshot or a peer copy."""
+    have = _holdings(offers, nproc)
     return sorted(set.intersection(*have), reverse=True) if have else []
+
+
+def offered(offers: list[dict], nproc: int) -> set[int]:
+    """Steps of which at least one process's snapshot exists somewhere."""
+    return set().union(*_holdings(offers, nproc))

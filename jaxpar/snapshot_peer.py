@@ -23,12 +23,14 @@ import os
 import secrets
 import socket
 import threading
+import time
 
 from jaxpar import snapshot_store as snap
 from jaxpar.runlog import W
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 IO_TIMEOUT_S = 120.0
+FETCH_ATTEMPTS = 3  # rounds over the holders of a copy when a connection fails (not a refusal)
 
 
 def _host() -> str:
@@ -72,13 +74,20 @@ class Server:
 
     def __init__(self, node: str, nproc: int, limit: int):
         self.node, self.nproc, self.limit = node, nproc, limit
-        self.token: str | None = None  # set once the group has met
+        self.token: str | None = None  # set by `met` once the group has met
+        self._met = threading.Event()
         self._lock = threading.Lock()
         host = _host()
         self.sock = socket.create_server((host, 0), family=_family(host))
         self.addr = [host, self.sock.getsockname()[1]]
         self._closed = False
         threading.Thread(target=self._accept, name="jaxpar-peer", daemon=True).start()
+
+    def met(self, token: str) -> None:
+        """The group's token is known: requests are served from now on. A request that arrives
+        earlier (another process left the exchange first and fetches at once) waits for it."""
+        self.token = token
+        self._met.set()
 
     def slots(self, src: int) -> snap.Slots:
         return snap.Slots(os.path.join(self.node, "peer", f"proc{int(src)}"))
@@ -106,7 +115,7 @@ class Server:
 
     def _handle(self, msg: dict, f) -> tuple[dict, bytes | None]:
         src = msg.get("src")
-        if self.token is None or msg.get("token") != self.token:
+        if not self._met.wait(IO_TIMEOUT_S) or msg.get("token") != self.token:
             raise ValueError("bad token")
         if not isinstance(src, int) or not 0 <= src < self.nproc:
             raise ValueError("bad source process")
@@ -185,7 +194,7 @@ class Peers:
                 "node": node, "addr": server.addr,
                 "token": secrets.token_hex(16) if tier.process == 0 else None}  # fmt: skip
         offers = snap.exchange("offer", mine)
-        server.token = offers[0]["token"]
+        server.met(offers[0]["token"])
         keys: list[str] = []
         for o in offers:
             if o["node"] not in keys:
@@ -233,25 +242,39 @@ class Peers:
 
     # -- restoring ------------------------------------------------------------------------------
 
-    def fetch(self, step: int) -> tuple[dict | None, bytearray | None]:
-        """This process's snapshot of `step` from a process holding its peer copy."""
+    def fetch(self, step: int) -> tuple[dict | None, bytearray | None, str]:
+        """This process's snapshot of `step` from a process holding its peer copy:
+        (marker, bytes, "") or (None, None, why not). A failed connection is retried."""
         me = str(self.tier.process)
-        for o in self.offers:
-            if step not in o.get("held", {}).get(me, []):
-                continue
-            try:
-                reply, f = self._request(o["addr"], {"op": "get", "src": self.tier.process,
-                                                     "step": step})  # fmt: skip
-                if not reply.get("ok"):
-                    continue
-                n = int(reply["nbytes"])
-                if not 0 <= n <= self.server.limit:
-                    continue
-                return reply["marker"], _read_exact(f, n)
-            except (OSError, ValueError, ConnectionError):
-                self._drop_conn()
-                continue
-        return None, None
+        holders = [q for q, o in enumerate(self.offers) if step in o.get("held", {}).get(me, [])]
+        if not holders:
+            return None, None, "no copy (own or peer)"
+        errors: list[str] = []
+        for attempt in range(FETCH_ATTEMPTS):
+            if attempt:
+                time.sleep(attempt)
+            errors, retry = [], False
+            for q in holders:
+                try:
+                    reply, f = self._request(self.offers[q]["addr"],
+                                             {"op": "get", "src": self.tier.process,
+                                              "step": step})  # fmt: skip
+                    if not reply.get("ok"):
+                        errors.append(f"process {q}: {str(reply.get('why', 'refused'))[:100]}")
+                        continue
+                    n = int(reply["nbytes"])
+                    if not 0 <= n <= self.server.limit:
+                        self._drop_conn()  # its bytes are not read: the stream is out of step
+                        errors.append(f"process {q}: {n} bytes is out of bounds")
+                        continue
+                    return reply["marker"], _read_exact(f, n), ""
+                except (OSError, ValueError, ConnectionError, KeyError, TypeError) as e:
+                    self._drop_conn()
+                    errors.append(f"process {q}: {type(e).__name__}: {str(e)[:100]}")
+                    retry = True
+            if not retry:
+                break
+        return None, None, "peer copy not fetched: " + "; ".join(errors)
 
     def drop_held(self, keep: int | None = None) -> None:
         """Invalidate the peer copies this node holds, except those of step `keep`."""

@@ -283,6 +283,7 @@ def restore_or_init(s: Session, ckpt: Checkpointer, tier: snapshot.LocalTier | N
     """The newest complete local snapshot if not older than the newest good checkpoint, else
     that checkpoint resharded onto this mesh, else a fresh sharded init."""
     skipped: list[int] = []
+    fallback: dict | None = None  # local snapshots existed but none was used
     if tier is not None:
         steps = ckpt.committed_steps() if s.cfg.ckpt.restore == "latest" else []
         got = tier.restore(steps[-1] if steps else (None if s.cfg.ckpt.restore == "latest" else -1))
@@ -300,17 +301,39 @@ def restore_or_init(s: Session, ckpt: Checkpointer, tier: snapshot.LocalTier | N
                         reason="data-parallel replicas differ")  # fmt: skip
             skipped = [*info["skipped"], info["step"]]
             tier.discard()
-    state = _restore_persistent(s, ckpt, skipped)
+            fallback = {"skipped": skipped, "incomplete": []}
+        else:
+            fallback = tier.fallback
+    state, source = _restore_persistent(s, ckpt, skipped)
+    if fallback is not None:
+        _announce_fallback(s, fallback, source, int(state["step"]))
     if tier is not None:
         tier.forget_except(int(state["step"]))  # other steps are another timeline
     return state
 
 
-def _restore_persistent(s: Session, ckpt: Checkpointer, local_skipped: list[int]) -> dict:
+def _announce_fallback(s: Session, fallback: dict, source: str, step: int) -> None:
+    """Local snapshots were there but none could be used: never a silent step back."""
+    s.run.event(W.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
+                incomplete=fallback["incomplete"])  # fmt: skip
+    if s.run.is_writer:
+        why = []
+        if fallback["skipped"]:
+            why.append(f"step(s) {fallback['skipped']} rejected (see snapshot_rejected)")
+        if fallback["incomplete"]:
+            why.append(f"step(s) {fallback['incomplete']} not held for every process")
+        to = f"the persistent checkpoint of step {step}" if source == "persistent" else "step 0"
+        say(f"warning: no local snapshot usable ({'; '.join(why)}); restarting from {to}")
+
+
+def _restore_persistent(
+    s: Session, ckpt: Checkpointer, local_skipped: list[int]
+) -> tuple[dict, str]:
+    """(state, "persistent" | "init")."""
     target, old_data = _layout_bound_target(s, ckpt)
     got = ckpt.restore(target, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
     if got is None:
-        return s.program.init()
+        return s.program.init(), "init"
     state, meta = got
     if old_data is not None:  # residuals of another data size: start error feedback afresh
         state["comm"] = jax.tree.map(
@@ -324,7 +347,7 @@ def _restore_persistent(s: Session, ckpt: Checkpointer, local_skipped: list[int]
         skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
     )  # fmt: skip
     check_replicas(s, state, "restore")
-    return state
+    return state, "persistent"
 
 
 def check_replicas(s: Session, state: dict, when: str) -> None:

@@ -118,8 +118,14 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
         for a in agents:
             a.close()
     assert codes == [0, 0], [a.output() for a in agents]
+    later = [e for e in agents[0].events() if e["incarnation"] >= 1]
+    fallback = [e for e in later if e["event"] == "local_fallback"]
+    rejected = [e for e in later if e["event"] == "snapshot_rejected" and "processes" in e]
+    assert not fallback, (fallback, rejected)  # never a silent (or announced) step back
     (restore,) = agents[0].events("restore")
-    assert restore["tier"] == "peer" and restore["fetched"] == [0], restore
+    assert restore["tier"] == "peer" and restore["fetched"] == [0], (restore, rejected)
+    assert restore["incarnation"] == 1, restore
+    assert restore["local_skipped"] == [e["step"] for e in rejected], (restore, rejected)
     # the newest complete snapshot before the kill at 7; a peer copy still in flight when the
     # host died is rejected (with an event) and the one before it is used
     assert 1 <= restore["step"] <= 6

@@ -1,0 +1,119 @@
+"""Peer copies of local snapshots without a launch: a request that reaches a server before its
+process has learnt the group's token is held, not refused (the race that made a lost host's
+restore reject a good peer copy under load); a failed fetch says why; a restore that finds
+snapshots but none usable records the fallback for the trainer to announce.
+
+    python -m pytest tests/recovery/test_snapshot_peer_unit.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import snapshot, snapshot_peer
+from jaxpar.metrics import RunDir
+from jaxpar.snapshot_store import DATA
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPAR_COORDINATOR", "127.0.0.1:1")  # the address the server binds
+    srv = snapshot_peer.Server(str(tmp_path / "node"), nproc=2, limit=1 << 20)
+    slots = srv.slots(0)
+    d = slots.begin(0)
+    with open(os.path.join(d, DATA), "wb") as f:
+        f.write(b"x" * 100)
+    slots.commit(0, {"step": 5, "nbytes": 100})
+    yield srv
+    srv.close()
+
+
+def _get(addr, step: int) -> tuple[dict, bytes]:
+    with socket.create_connection(tuple(addr), timeout=30) as sock, sock.makefile("rb") as f:
+        msg = {"op": "get", "src": 0, "step": step, "token": TOKEN}
+        sock.sendall((json.dumps(msg) + "\n").encode())
+        reply = json.loads(f.readline())
+        return reply, bytes(f.read(reply.get("nbytes", 0)))
+
+
+def test_request_before_the_token_is_known_is_held_not_refused(server):
+    threading.Timer(0.5, server.met, args=(TOKEN,)).start()
+    t0 = time.time()
+    reply, data = _get(server.addr, 5)
+    assert reply["ok"] and reply["marker"]["step"] == 5 and data == b"x" * 100, reply
+    assert time.time() - t0 >= 0.4  # it waited for the token
+
+
+def _peers(server, holder_addr):
+    run = SimpleNamespace(event=lambda *a, **k: None)
+    tier = SimpleNamespace(process=0, run=run)
+    offers = [{"token": TOKEN, "addr": ["127.0.0.1", 1], "held": {}},
+              {"token": None, "addr": holder_addr, "held": {"0": [5]}}]  # fmt: skip
+    return snapshot_peer.Peers(tier, server, offers, [[0], [1]])
+
+
+def test_fetch_gets_the_copy_and_says_why_not(server, monkeypatch):
+    server.met(TOKEN)
+    peers = _peers(server, server.addr)
+    marker, data, why = peers.fetch(5)
+    assert marker["step"] == 5 and bytes(data) == b"x" * 100 and why == ""
+    assert peers.fetch(4)[2] == "no copy (own or peer)"
+    peers.offers[1]["held"]["0"].append(4)  # listed, yet gone: refused, not retried
+    t0 = time.time()
+    marker, _, why = peers.fetch(4)
+    assert marker is None and "no such copy" in why and time.time() - t0 < 1, why
+    with socket.socket() as s:  # a holder that does not answer: retried, then the error
+        s.bind(("127.0.0.1", 0))
+        dead = ["127.0.0.1", s.getsockname()[1]]
+    monkeypatch.setattr(snapshot_peer.time, "sleep", lambda s: None)
+    marker, _, why = _peers(server, dead).fetch(5)
+    assert marker is None and why.startswith("peer copy not fetched") and "Error" in why, why
+    peers.close()
+
+
+def test_offered_and_candidates():
+    offers = [{"own": [], "held": {"1": [4, 5]}}, {"own": [5, 6], "held": {"0": [5, 6]}}]
+    assert snapshot.candidates(offers, 2) == [6, 5]
+    offers = [{"own": [], "held": {}}, {"own": [5], "held": {"0": [5, 6]}}]
+    assert snapshot.candidates(offers, 2) == [5]
+    assert snapshot.offered(offers, 2) == {5, 6}
+
+
+def test_unusable_snapshots_are_recorded_as_a_fallback(tmp_path):
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=rep)}
+    run = RunDir(str(tmp_path / "run"))
+
+    def tier():
+        return snapshot.LocalTier(run, abstract, every=1, root=str(tmp_path / "local"),
+                                  binding={"config_hash": "c0", "mesh": "m"})  # fmt: skip
+
+    t = tier()
+    assert t.restore(None) is None and t.fallback is None  # nothing there: no fallback
+    for step in (1, 2):
+        t.offer(step, {"w": jax.device_put(np.full(4, step, np.float32), rep)})
+    t.close()
+    for d in t.own.dirs:  # both snapshots corrupted
+        with open(os.path.join(d, DATA), "r+b") as f:
+            f.write(b"\xff" * 4)
+    t = tier()
+    assert t.restore(3) is None and t.fallback is None  # the persistent one is newer anyway
+    t = tier()
+    assert t.restore(None) is None
+    assert t.fallback == {"skipped": [2, 1], "incomplete": []}
+    rejected = [e for e in run.events() if e["event"] == "snapshot_rejected"]
+    assert [e["step"] for e in rejected] == [2, 1]

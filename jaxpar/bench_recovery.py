@@ -2,7 +2,8 @@
 
     jaxpar bench recovery [--quick] [--recipe gpt_tiny]
 
-Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices, real SIGKILLs:
+Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices (2 processes with --quick),
+real SIGKILLs:
 
 1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
    faults, each restarting the group; the goodput ledger splits each incident into detect /
@@ -142,8 +143,10 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     for i, step in enumerate(p["kills"]):
         faults += ["--fault", f"kill@{step}:process={1 + i % (p['nproc'] - 1)}"]
     run_dir = os.path.join(root, f"recovery-{mode}")
-    job = _Job(run_dir, p["nproc"], [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)],
-               _command(recipe, p["steps"], p["every"], overrides + extra))  # fmt: skip
+    args = [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)]
+    job = _Job(
+        run_dir, p["nproc"], args, _command(recipe, p["steps"], p["every"], overrides + extra)
+    )
     code = job.wait(timeout=3600)
     incidents = ledger_of(run_dir)
     events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))

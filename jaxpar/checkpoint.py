@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from jaxpar import compile_cache, runlog
+from jaxpar import compile_cache, orbax_loop, runlog
 from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
 from jaxpar.mesh import REPLICA_AXES
 from jaxpar.metrics import RunDir, write_json
@@ -108,6 +108,7 @@ class _DiskFullLogFilter(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DiskFullLogFilter())
+orbax_loop.install()  # a failed save or restore: no "Event loop is closed" tracebacks
 
 
 # ---- hashing ----------------------------------------------------------------------------------

@@ -5,15 +5,19 @@ python -m pytest tests/faults/test_checkpoint_unit.py
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import math
 import os
 import signal
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +41,10 @@ from jaxpar.faults import (
 )
 from jaxpar.mesh import make_mesh
 from jaxpar.metrics import RunDir
+from jaxpar.orbax_loop import asyncio_utils
+
+# An exception raised where nothing can catch it (a callback on a closed event loop) fails the test.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
 
 def host_state(seed: int = 0) -> dict:
@@ -266,6 +274,30 @@ def test_sigterm_sets_the_preemption_flag_when_alone(tmp_path):
     assert ckpt.reached_preemption(1)
     ckpt.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_failed_batch_closes_its_event_loop_only_after_its_other_operations(monkeypatch):
+    """One of two concurrent TensorStore operations fails (a full disk, a damaged file) while the
+    other is still running: orbax's event loop must outlive it, or the late completion calls a
+    closed loop from a TensorStore thread ("Event loop is closed", an unraisable exception)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    promise, late = ts.Promise.new()  # completed by another thread once the failure is raised
+
+    async def fails():
+        await asyncio.sleep(0)
+        raise OSError(28, "No space left on device")
+
+    async def batch():
+        await asyncio.gather(late, fails())
+
+    timer = threading.Timer(0.5, promise.set_result, (1,))
+    timer.start()
+    with pytest.raises(OSError, match="No space"):
+        asyncio_utils.run_sync(batch())  # orbax's entry to every synchronous batch
+    timer.join()
+    assert late.result() == 1 and late.done()
+    assert [repr(u.exc_value) for u in unraisable] == []
 
 
 # ---- fault specs -------------------------------------------------------------------------------

@@ -93,3 +93,24 @@ def test_released_standby_exits_0_writing_nothing(tmp_path):
         os.close(r)
         p.kill()
         p.wait()
+
+
+def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path):
+    """A standby loads compiled programs but stores none before "go"; then its miss is stored."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar import compile_cache
+
+    folder = tmp_path / "compiled"
+    lowered = jax.jit(lambda x: jnp.sin(x) * 3.0).lower(jnp.ones((4,), jnp.float32))
+    try:
+        compile_cache.configure(str(folder), readonly=True)
+        _, hit = compile_cache.compile(lowered, "standby_probe")
+        assert not hit and not folder.exists()  # nothing written, not even the folder
+        compile_cache.configure(str(folder))
+        assert [p.name.startswith("standby_probe-") for p in folder.iterdir()] == [True]
+        _, hit = compile_cache.compile(lowered, "standby_probe")
+        assert hit  # what the read-only process compiled serves the next one
+    finally:
+        compile_cache.configure(None)

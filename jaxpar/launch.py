@@ -241,9 +241,14 @@ def heartbeat(run_dir: str, step: int) -> None:
     }
     path = os.path.join(hb_dir, f"proc{_process_index()}.json")
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: leave no 0-byte temporary file behind
+            os.remove(tmp)
+        raise
 
 
 def read_heartbeat(path: str) -> dict | None:

@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -78,20 +77,6 @@ def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     assert code == 130 and "interrupted again: stopping now without saving" in text, text[-3000:]
     assert "Traceback" not in text
     assert committed(run_dir) == [pre["step"]]
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 6 MiB tmpfs (root may mount); the test says why if this machine does not allow it."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_stops_with_one_line_and_keeps_committed_checkpoints(small_fs, tmp_path):

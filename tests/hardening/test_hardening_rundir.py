@@ -3,6 +3,8 @@ append-only logs that survive tearing; clearing that stays inside the run direct
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -185,3 +187,28 @@ def test_clearing_a_run_dir_folder_never_follows_symlinks_out(tmp_path):
     rundir.clear_dir(str(run_dir), "heartbeats")
     assert os.listdir(run_dir / "heartbeats") == []
     assert (outside / "keep.txt").read_text() == "keep"
+
+
+# ---- a full disk --------------------------------------------------------------------------------
+
+
+def fill(fs) -> None:
+    """Fill the filesystem `fs` to the last byte (a real ENOSPC for the next write)."""
+    with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def test_heartbeat_on_a_full_disk_leaves_no_temporary_file(small_fs, monkeypatch):
+    from jaxpar import launch
+
+    monkeypatch.setitem(launch._state, "hb_dir", None)  # a fresh run directory for this process
+    monkeypatch.setitem(launch._state, "history", [])
+    run_dir = small_fs / "run"
+    launch.heartbeat(str(run_dir), 1)
+    fill(small_fs)
+    with pytest.raises(OSError) as e:
+        launch.heartbeat(str(run_dir), 2)
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(run_dir / "heartbeats") == ["proc0.json"]
+    assert launch.read_heartbeat(str(run_dir / "heartbeats" / "proc0.json"))["step"] == 1

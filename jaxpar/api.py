@@ -279,8 +279,11 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 
 
 def _run_worker(fn: Callable[[], int | None]) -> int:
+    from jaxpar import standby
+
     launch.configure_devices()
-    launch.initialize_from_env()
+    with standby.no_run_dir():  # a standby writes nothing to the run directory before "go"
+        launch.initialize_from_env()
     from jaxpar import rundir
     from jaxpar.checkpoint import (
         CheckpointMismatch,

@@ -275,6 +275,7 @@ def launch_options(args: argparse.Namespace):
         grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
         crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
         spares=not args.no_spares, bind_host=args.host, token_file=args.token_file,
+        standby=args.standby,
     )  # fmt: skip
     check_options(opts)
     return opts
@@ -379,6 +380,14 @@ def _add_launch_parser(sub) -> None:
         action="store_true",
         help="do not pre-start the next group's workers while a group trains (restarts then "
         "pay Python and jax start-up again)",
+    )
+    la.add_argument(
+        "--standby",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="while a group trains, build the next incarnation's group up to its first step "
+        "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host, devices "
+        "that can be shared (CPU); default off: see docs/cluster.md",
     )
     la.add_argument("--nnodes", type=int, default=1, help="hosts, one agent each")
     la.add_argument("--node-rank", type=int, default=0, help="this agent's host index")

@@ -50,14 +50,27 @@ JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 KEEP = 32  # newest entries kept per directory (other layouts after a shrink add entries)
 
 
-def configure(directory: str | None) -> None:
-    """Cache compiled programs under `directory` (None: off). Call before compiling."""
+def configure(directory: str | None, readonly: bool = False) -> None:
+    """Cache compiled programs under `directory` (None: off). Call before compiling.
+
+    readonly: entries are loaded but nothing is written (a standby worker before "go"); what
+    would have been stored is kept and stored by the next `configure` of the same directory."""
     if directory:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
+        if not readonly:
+            os.makedirs(directory, mode=0o755, exist_ok=True)
         if not _state.get("listening"):
             jax.monitoring.register_event_listener(_count_jax_cache_hits)
             _state["listening"] = True
-    _state["dir"] = directory
+    pending = _state.pop("pending", [])
+    _state["dir"], _state["readonly"] = directory, readonly
+    for path, compiled in pending:
+        if readonly or os.path.dirname(path) != directory:
+            continue
+        try:
+            _store(path, compiled)
+        except Exception as e:  # e.g. host callbacks, a full disk: run uncached
+            warnings.warn(f"compile cache: not caching {path} ({type(e).__name__}: {e})",
+                          stacklevel=2)  # fmt: skip
 
 
 def _count_jax_cache_hits(event: str, **_: Any) -> None:
@@ -232,10 +245,12 @@ def _cached(name: str, key: str, build: Callable[[], Any]):
         except Exception as e:  # a torn, stale, foreign or planted file: compile afresh
             warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=3)
             _state["stats"]["rejected"] = _state["stats"].get("rejected", 0) + 1
-            with contextlib.suppress(OSError):
-                os.remove(path)
+            if not _state.get("readonly"):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         else:
-            os.utime(path)  # recently used: kept by _prune
+            if not _state.get("readonly"):
+                os.utime(path)  # recently used: kept by _prune
             _state["stats"]["hits"] += 1
             _state["stats"]["load_s"] += time.time() - t0
             return compiled, True
@@ -243,6 +258,9 @@ def _cached(name: str, key: str, build: Callable[[], Any]):
     compiled = build()
     _state["stats"]["misses"] += 1
     if _state["jax_hits"] != jax_hits:  # served by jax's own cache (or one compiled alongside)
+        return compiled, False
+    if _state.get("readonly"):
+        _state.setdefault("pending", []).append((path, compiled))
         return compiled, False
     try:
         _store(path, compiled)

@@ -76,7 +76,7 @@ def can_run_here(env: dict[str, str], argv: list[str]) -> bool:
     return all(env.get(k) == os.environ.get(k) for k in keys)
 
 
-def _redirect(log: str) -> None:
+def redirect(log: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -91,7 +91,7 @@ def _redirect(log: str) -> None:
 def activate(msg: dict) -> None:
     """Become the worker `msg` describes (never returns)."""
     env, argv = dict(msg["env"]), list(msg["argv"])
-    _redirect(msg["log"])
+    redirect(msg["log"])
     if not can_run_here(env, argv):
         os.execvpe(argv[0], argv, env)
     os.environ.clear()

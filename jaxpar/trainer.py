@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog, snapshot
+from jaxpar import __version__, compile_cache, contract, launch, rundir, runlog, snapshot, standby
 from jaxpar import data as data_lib
 from jaxpar.checkpoint import (
     Checkpointer,
@@ -439,15 +439,31 @@ def run(
     env_inc = os.environ.get("JAXPAR_INCARNATION")
     specs = preflight(cfg, run_dir, list(faults))
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
+    early = None
+    if standby.pending():  # the next incarnation, built ahead: wait for the failure here
+        early = _standby_ready(s)
+        t_start = time.time()
     lock = _lock(s)
     try:
-        return _run_locked(s, specs, t_start, progress)
+        return _run_locked(s, specs, t_start, progress, early)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) -> dict:
+def _standby_ready(s: Session) -> tuple:
+    """A standby worker (jaxpar/standby.py): load or compile the train step without writing the
+    run directory, report ready and wait for "go". Returns (compiled, seconds)."""
+    directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
+    compile_cache.configure(directory, readonly=True)
+    early = compile_step(s)
+    standby.wait_for_go()  # returns on "go"; a released standby exits here
+    return early
+
+
+def _run_locked(
+    s: Session, specs: list, t_start: float, progress: bool | None, early: tuple | None = None
+) -> dict:
     cfg = s.cfg
     open_run_dir(s)
     compile_cache.configure(s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None)
@@ -465,7 +481,8 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
         print(f"jaxpar: {warning}", file=sys.stderr)
     s.run.event(
         W.START, nproc=jax.process_count(), mesh=mesh_text,
-        warm=os.environ.get("JAXPAR_WARM_START") == "1",  # a pre-started spare (jaxpar.spare)
+        warm=standby.start_path() != "cold",  # a pre-started spare or standby worker
+        path=standby.start_path(),
     )  # fmt: skip
     if s.run.is_writer:
         say(
@@ -480,11 +497,11 @@ def _run_locked(s: Session, specs: list, t_start: float, progress: bool | None) 
     try:
         # Trace, lower and compile (or load) the step while the checkpoint is read: both only
         # need the abstract state, and orbax's reads release the GIL.
-        step_program = pool.submit(compile_step, s)
+        step_program = pool.submit(compile_step, s) if early is None else None
         copy_program = pool.submit(tier.warm_up) if tier is not None else None
         state = restore_or_init(s, ckpt, tier)
-        compiled, seconds = step_program.result()
-        s.run.event(W.COMPILED, seconds=seconds, **compile_cache.stats())
+        compiled, seconds = step_program.result() if early is None else early
+        s.run.event(W.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats())
         if copy_program is not None:
             copy_program.result()
             s.run.event(W.LOCAL_TIER, **tier.describe())

@@ -368,13 +368,16 @@ CKPT_STEPS, CKPT_EVERY = 30, 10
 
 @pytest.fixture(scope="session")
 def ckpt_reference(tmp_path_factory):
-    """An uninterrupted `python -m train` run dir: gpt_tiny, 30 steps, a save every 10, 8 devices.
+    """An uninterrupted `python -m train` run dir: gpt_tiny made small (helpers.SMALL), 30 steps,
+    a save every 10, 8 devices.
 
-    The reference of the checkpoint-fault and reshard tests, which copy it or compare with it.
+    The reference of the checkpoint-fault, local-tier, reshard and run-directory tests, which copy
+    it or compare with it (their runs pass helpers.SMALL too: the same config and program).
     """
     run_dir = tmp_path_factory.mktemp("ckpt-reference") / "run"
     every = f"ckpt.every={CKPT_EVERY}"
-    helpers.ok(helpers.run(helpers.train_cmd(run_dir, "--set", every, steps=CKPT_STEPS)))
+    cmd = helpers.train_cmd(run_dir, "--set", every, *helpers.SMALL, steps=CKPT_STEPS)
+    helpers.ok(helpers.run(cmd))
     return run_dir
 
 

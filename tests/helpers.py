@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
 LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snapshot tier root
+# gpt_tiny made smaller for runs whose point is not the model (checkpoints, faults, supervision):
+# a step takes ~0.04 s instead of ~0.5 s on 8 simulated devices, and it compiles in seconds.
+SMALL = ("--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128")
 
 
 def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """This host's workers: spawn a group, reap exits the moment they happen, signal, stop, and keep
-hot spares (jaxpar/spare.py) for the next group."""
+hot spares (jaxpar/spare.py) and a standby group (jaxpar/standby.py) for the next group."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from jaxpar import runlog
 from jaxpar import spare as spare_lib
+from jaxpar import standby as standby_lib
 from jaxpar.supervisor.monitor import EventTail
-from jaxpar.supervisor.options import Options, cannot_write, say
+from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import worker_env
 
 
@@ -86,6 +88,9 @@ class LocalGroup:
         self.spec: dict | None = None
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
         self.spares_due = False  # start spares once this group has started
+        self.standby: Standby | None = None  # the next incarnation's workers, built ahead
+        self.standby_due = False  # build it once this group has compiled its step
+        self.seen: set[str] = set()  # this group's events seen so far (start, compiled)
         self.events: EventTail | None = None
         self.log_dir = os.path.join(self.opts.run_dir, runlog.LOGS)
 
@@ -107,6 +112,10 @@ class LocalGroup:
         self.procs, self.logs, self.reported = {}, {}, set()
         self.attempt = int(spec["attempt"])
         self.spec = spec
+        if spec.get("standby") and self.standby is not None:
+            self._start_standby(spec)
+            return
+        self.release_standby()  # not the group it was built for (or not ready)
         for local_rank, pid in enumerate(spec["process_ids"]):
             env = self._env(spec, pid, local_rank)
             name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
@@ -123,7 +132,12 @@ class LocalGroup:
                     )  # fmt: skip
             self.pidfds[pid] = self.waker.watch(self.procs[pid].pid)
         self.release_spares()  # ranks this group does not use (after a shrink)
-        self.spares_due = self.opts.spares
+        self._started()
+
+    def _started(self) -> None:
+        self.spares_due = self.opts.spares and not self.spares
+        self.standby_due = self.opts.standby and self.opts.nnodes == 1
+        self.seen = set()
         self.events = EventTail(os.path.join(self.opts.run_dir, runlog.EVENTS))  # from now
 
     def _log(self, path: str):
@@ -157,15 +171,17 @@ class LocalGroup:
             return False
         return True
 
+    def _read_events(self) -> None:
+        if (self.spares_due or self.standby_due) and self.spec and self.events is not None:
+            inc = self.spec["incarnation"]
+            self.seen |= {str(e.get("event")) for e in self.events.read()
+                          if e.get("incarnation") == inc}  # fmt: skip
+
     def _maybe_start_spares(self) -> None:
         """Once this group has started (its `start` event: every worker has imported, joined
         jax.distributed and built its program), start one spare per local rank for the next
         group — so spares do not compete with the group's own start-up, yet are ready early."""
-        if not self.spares_due or self.spec is None or self.events is None:
-            return
-        inc = self.spec["incarnation"]
-        if not any(e.get("event") == runlog.W.START and e.get("incarnation") == inc
-                   for e in self.events.read()):  # fmt: skip
+        if not self.spares_due or self.spec is None or runlog.W.START not in self.seen:
             return
         self.spares_due = False
         module = spare_lib.module_of(self.opts.command)
@@ -191,6 +207,52 @@ class LocalGroup:
             self._stop_spare(spare)  # nothing to save in a spare: no jax state yet
         self.spares = {}
 
+    # -- the standby group: the next incarnation, built while this one trains ---------------
+
+    def _maybe_start_standby(self) -> None:
+        """Once this group has compiled its step (its `compiled` event: the compiled-program
+        cache holds the step the standby loads), build the next incarnation's group."""
+        if not self.standby_due or self.spec is None or runlog.W.COMPILED not in self.seen:
+            return
+        self.standby_due = False
+        self.release_standby()
+        port = free_port(self.opts.bind)
+        spec = dict(self.spec, incarnation=self.spec["incarnation"] + 1,
+                    attempt=self.spec["attempt"] + 1, coordinator=join_address("127.0.0.1", port),
+                    bind=join_address(self.opts.bind, port), standby=True)  # fmt: skip
+        self.standby = Standby(spec)
+        for local_rank, pid in enumerate(spec["process_ids"]):
+            self.standby.spawn(pid, self.opts.command, self._env(spec, pid, local_rank))
+
+    def standby_spec(self) -> dict | None:
+        return self.standby.spec if self.standby is not None else None
+
+    def standby_ready(self) -> bool:
+        if self.standby is None:
+            return False
+        if self.standby.failed():  # a standby worker died while waiting: not worth keeping
+            self.release_standby()
+            return False
+        return self.standby.ready()
+
+    def _start_standby(self, spec: dict) -> None:
+        """The standby group becomes this group: its logs move to the worker logs, then "go"."""
+        sb, self.standby = self.standby, None
+        for pid, proc in sb.procs.items():
+            name = f"inc{spec['incarnation']}-group{spec['attempt']}-proc{pid}.log"
+            path = os.path.join(self.log_dir, name)
+            self.logs[pid] = path
+            sb.go(pid, path, self._log)
+            self.procs[pid] = proc
+            self.pidfds[pid] = self.waker.watch(proc.pid)
+        sb.close_files()
+        self._started()
+
+    def release_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.release()
+            self.standby = None
+
     # -- the workers ---------------------------------------------------------------------------
 
     def poll(self) -> list[tuple[int, int]]:
@@ -201,7 +263,9 @@ class LocalGroup:
                 self.reported.add(pid)
                 self.waker.unwatch(self.pidfds.pop(pid, None))
                 out.append((pid, p.returncode))
+        self._read_events()
         self._maybe_start_spares()
+        self._maybe_start_standby()
         return out
 
     def alive(self) -> list[int]:
@@ -273,3 +337,89 @@ class LocalNode:
     def close(self, code: int) -> None:
         self.group.kill_all()
         self.group.release_spares()
+        self.group.release_standby()
+
+
+class Standby:
+    """One host's standby workers (jaxpar/standby.py): started with their final environment and
+    JAXPAR_STANDBY=1; each reports `ready` on its own pipe and waits on stdin for "go"."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.ready_fds: dict[int, int] = {}
+        self.is_ready: set[int] = set()
+        self.dead: set[int] = set()  # closed its pipe without reporting ready
+        self.tmp_logs: dict[int, str] = {}
+
+    def spawn(self, pid: int, command: list[str], env: dict) -> None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        fd, tmp = tempfile.mkstemp(prefix=f"jaxpar-standby-p{pid}-", suffix=".log")
+        env = dict(env, **{standby_lib.ENV_STANDBY: "1", standby_lib.ENV_READY_FD: str(w)})
+        try:
+            self.procs[pid] = subprocess.Popen(
+                command, env=env, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                pass_fds=(w,), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(w)
+            os.close(fd)
+        self.ready_fds[pid], self.tmp_logs[pid] = r, tmp
+
+    def _read(self) -> None:
+        for pid, fd in self.ready_fds.items():
+            if pid in self.is_ready or pid in self.dead:
+                continue
+            try:
+                data = os.read(fd, 64)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data.startswith(standby_lib.READY.strip()):
+                self.is_ready.add(pid)
+            elif not data:
+                self.dead.add(pid)
+
+    def ready(self) -> bool:
+        self._read()
+        return len(self.is_ready) == len(self.procs) and not self.failed()
+
+    def failed(self) -> bool:
+        self._read()
+        return bool(self.dead) or any(p.poll() is not None for p in self.procs.values())
+
+    def go(self, pid: int, log: str, opener) -> None:
+        """Append what the worker printed so far to `log`, then tell it to go on there."""
+        with opener(log) as out, contextlib.suppress(OSError), open(self.tmp_logs[pid], "rb") as f:
+            out.write(f.read())
+        proc = self.procs[pid]
+        with contextlib.suppress(OSError):  # a worker that died shows as an exit at once
+            proc.stdin.write((json.dumps({"log": log}) + "\n").encode())
+            proc.stdin.close()
+
+    def close_files(self) -> None:
+        for fd in self.ready_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.ready_fds = {}
+        for path in self.tmp_logs.values():
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        self.tmp_logs = {}
+
+    def release(self) -> None:
+        """Kill every standby worker (nothing to save: it has written nothing) and wait."""
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs.values():
+            with contextlib.suppress(OSError):
+                if p.stdin:
+                    p.stdin.close()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                say(f"standby worker pid {p.pid} did not die after SIGKILL")
+        self.close_files()

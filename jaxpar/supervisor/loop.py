@@ -29,6 +29,7 @@ from jaxpar.supervisor.policy import (
     backoff_s,
     classify_exit,
     find_stragglers,
+    restart_path,
     root_exit,
     secondary,
     shrink_plan,
@@ -256,19 +257,29 @@ class Supervisor:
         host = self.opts.host if self.opts.nnodes > 1 else "127.0.0.1"
         port = free_port(self.opts.bind)
         coordinator = join_address(host, port)
+        bind = join_address(self.opts.bind, port)
         hang, startup, coll = self._timeouts()
         mon = Monitor(self.run_dir, nproc, self.incarnation, self.faults_seen)
+        specs = []
+        for n in range(len(self.nodes)):
+            ids = [pid for pid, (nn, _) in enumerate(self.slots) if nn == n]
+            specs.append({"incarnation": self.incarnation, "coordinator": coordinator,
+                          "bind": bind, "nproc": nproc, "process_ids": ids,
+                          "attempt": self.restarts, "faults": self.opts.faults,
+                          "collective_timeout": coll, "layout": self.layout,
+                          "run_lock": self.lock.token})  # fmt: skip
+        path, why = self._restart_path(specs[0])
+        if path == "standby":  # the standby group already runs its own jax coordinator
+            sb = self.nodes[0].group.standby_spec() or {}
+            coordinator, bind = sb["coordinator"], sb["bind"]
+            specs[0].update(coordinator=coordinator, bind=bind, standby=True)
         self.event(S.GROUP_STARTED, nproc=nproc, coordinator=coordinator, attempt=self.restarts,
                    hang_timeout_s=self.opts.hang_timeout, startup_timeout_s=startup,
-                   collective_timeout_s=coll)  # fmt: skip
+                   collective_timeout_s=coll, path=path,
+                   **({"standby_unused": why} if why else {}))  # fmt: skip
         t_spawn = time.time()
-        for n, node in enumerate(self.nodes):
-            ids = [pid for pid, (nn, _) in enumerate(self.slots) if nn == n]
-            node.start({"incarnation": self.incarnation, "coordinator": coordinator,
-                        "bind": join_address(self.opts.bind, port), "nproc": nproc,
-                        "process_ids": ids, "attempt": self.restarts, "faults": self.opts.faults,
-                        "collective_timeout": coll, "layout": self.layout,
-                        "run_lock": self.lock.token})  # fmt: skip
+        for node, spec in zip(self.nodes, specs, strict=True):
+            node.start(spec)
         say(f"incarnation {self.incarnation}: {nproc} processes started, coordinator {coordinator}")
         out = self._watch(nproc, mon, t_spawn, hang, startup)
         if mon.hb.stepping_since is not None:  # the slowest start-up so far sets the next timeout
@@ -278,6 +289,17 @@ class Supervisor:
             self._record(out)
         self._stop_group(out)
         return out
+
+    def _restart_path(self, want: dict) -> tuple[str, str]:
+        """standby | spares | cold for the group about to start, and why not the standby."""
+        group = self.nodes[0].group
+        if self.incarnation == 0 and group.standby is None:
+            return ("spares" if group.spares else "cold"), ""  # the job's first start
+        return restart_path(
+            enabled=self.opts.standby, nnodes=len(self.nodes), standby=group.standby_spec(),
+            ready=group.standby_ready(), want=want,
+            spares=bool(group.spares) and len(group.spares) >= len(want["process_ids"]),
+        )  # fmt: skip
 
     def _record(self, out: Outcome) -> None:
         if out.kind == "preempted":

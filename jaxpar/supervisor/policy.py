@@ -184,3 +184,31 @@ def worker_env(
     ids = range(local_rank * devices_per_proc, (local_rank + 1) * devices_per_proc)
     env.setdefault("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, ids)))  # accelerators only
     return env
+
+
+# what must equal between a standby group's spec and the group a restart needs
+STANDBY_KEYS = ("incarnation", "attempt", "nproc", "process_ids", "layout", "faults",
+                "collective_timeout")  # fmt: skip
+
+
+def restart_path(
+    *, enabled: bool, nnodes: int, standby: dict | None, ready: bool, want: dict, spares: bool
+) -> tuple[str, str]:
+    """How the next group starts: ("standby", "") when a ready standby group was built for
+    exactly this group, else ("spares" | "cold", why the standby is not used; "" when standby
+    groups are off)."""
+    why = ""
+    if enabled:
+        if nnodes > 1:
+            why = "multi-node job"
+        elif standby is None:
+            why = "no standby group"
+        elif any(standby.get(k) != want.get(k) for k in ("nproc", "process_ids", "layout")):
+            why = "layout changed"
+        elif any(standby.get(k) != want.get(k) for k in STANDBY_KEYS):
+            why = "built for another incarnation"
+        elif not ready:
+            why = "standby not ready"
+        else:
+            return "standby", ""
+    return ("spares" if spares else "cold"), why

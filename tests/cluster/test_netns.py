@@ -19,12 +19,11 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, events, losses
+from tests.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS, EVERY = 12, 4
-SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
 TIMEOUT = 900  # generous: a loaded 2-core machine
 # No persistent compilation cache: it serves process 0 only, which then waits in gloo's first
 # rendezvous (30 s) for peers still compiling on a loaded machine, and fails.

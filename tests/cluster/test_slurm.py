@@ -18,13 +18,12 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, events, losses
+from tests.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SCRIPT = str(REPO / "deploy" / "slurm" / "jaxpar.sbatch")
 STEPS, EVERY = 12, 4
-SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
 TRAIN = ["--recipe", "gpt_tiny", "--steps", str(STEPS), "--set", f"ckpt.every={EVERY}", *SMALL]
 JOB_TIMEOUT = 900  # a loaded 2-core machine compiles slowly; the jobs themselves take ~1-2 min
 # No persistent compilation cache (cache=False): it serves process 0 only, which then waits in

@@ -1,6 +1,6 @@
 """Checkpoint faults end to end: real `python -m train` processes on 8 CPU devices, real signals.
 
-Every run is gpt_tiny for 30 steps with a save every 10 (the same compiled program, so one
+Every run is gpt_tiny made small (helpers.SMALL) for 30 steps with a save every 10 (the same compiled program, so one
 persistent compilation cache serves them all), compared with one uninterrupted reference run:
 losses must be identical (==) for every step, last metrics line per step.
 
@@ -21,7 +21,7 @@ import pytest
 from jaxpar.checkpoint import CORRUPT_SUFFIX, TMP_SUFFIX
 from jaxpar.launch import EXIT_NAN, EXIT_PREEMPTED, EXIT_REPLICA
 from jaxpar.metrics import read_jsonl
-from tests.helpers import events, losses, ok, run, start, train_cmd
+from tests.helpers import SMALL, events, losses, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ STEPS = 30
 def cmd(run_dir, *args, faults=()) -> list[str]:
     """`python -m train` gpt_tiny, 30 steps, saves every 10 (the reference's program); the local
     snapshot tier is off: these tests are about the persistent checkpoints."""
-    args = ("--set", "ckpt.every=10", "--set", "ckpt.local_every=0", *args)
+    args = ("--set", "ckpt.every=10", "--set", "ckpt.local_every=0", *SMALL, *args)
     return train_cmd(run_dir, *args, steps=STEPS, faults=faults)
 
 
@@ -69,10 +69,16 @@ def test_reference_saves_report_blocking_time(reference):
         assert os.path.exists(f"{run_dir}/checkpoints/{step}/checksums.json")
 
 
+# A small model's step takes milliseconds: an asynchronous save of step 10 may still be in flight
+# when step 15 starts. Tests that need that save committed before the fault save synchronously
+# (the same losses: saving never changes the numbers).
+SYNC = ("--set", "ckpt.use_async=false")
+
+
 def test_kill_between_saves_resumes_exactly(reference, tmp_path):
     _, ref = reference
     run_dir = tmp_path / "run"
-    ok(train(run_dir, faults=["kill@15"]), -signal.SIGKILL)
+    ok(train(run_dir, *SYNC, faults=["kill@15"]), -signal.SIGKILL)
     assert max(losses(run_dir)) == 14
     (fired,) = events(run_dir, "fault_injected")
     assert (fired["kind"], fired["step"], fired["process"]) == ("kill", 15, 0)
@@ -134,7 +140,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, tmp_path):
     _, ref = reference
     run_dir = tmp_path / "run"
     faults = ["corrupt@25", "kill@26"]
-    ok(train(run_dir, faults=faults), -signal.SIGKILL)
+    ok(train(run_dir, *SYNC, faults=faults), -signal.SIGKILL)  # 20 committed before step 25
     assert [e["kind"] for e in events(run_dir, "fault_injected")] == ["corrupt", "kill"]
     ok(train(run_dir, faults=faults))
     assert len(events(run_dir, "fault_injected")) == 2

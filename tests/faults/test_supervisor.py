@@ -1,6 +1,7 @@
 """`jaxpar launch` under real failures: 4 worker processes x 2 CPU devices of (a smaller) gpt_tiny,
-real jax.distributed over gloo on 127.0.0.1, real signals. Every run is compared with one
-uninterrupted supervised run: losses identical (==) per step (last metrics line per step), or
+real jax.distributed over gloo on 127.0.0.1, real signals. Several failures share one run where
+each needs only its own incarnation (a fault spec fires once per run directory), so the suite
+starts fewer jobs. Every run is compared with one uninterrupted supervised run: losses identical (==) per step (last metrics line per step), or
 within fp32 tolerance after an elastic shrink (more microbatches change the summation order).
 
     python -m pytest tests/faults/test_supervisor.py -m slow
@@ -9,7 +10,6 @@ within fp32 tolerance after an elastic shrink (more microbatches change the summ
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -56,70 +56,45 @@ def test_straggler_reported_without_restart(reference):
     assert run.events("restart") == [] and run.summary()["restarts"] == 0
 
 
-def test_kill9_one_restart_exact(tmp_path, reference):
-    run = _launch(tmp_path)
+def test_kill_hang_sigterm_nan_in_one_run_each_restarts_exact(tmp_path, reference):
+    """Four failures of one supervised run, one per incarnation (a spec fires once per run
+    directory): SIGKILL of process 2 (counted restart), a hang of process 2 (detected at the
+    hang timeout, stacks dumped, counted), a preemption notice to process 1 (coordinated save,
+    exit 42, restart not counted), NaN (rolled back, counted). Losses equal the reference's."""
+    faults = ["kill@3:process=2", "hang@5:process=2", "sigterm@6:process=1", "nan@8"]
+    args = ["--hang-timeout", str(HANG_TIMEOUT), "--max-restarts", "5"]
+    run = _launch(tmp_path, *args, *[a for f in faults for a in ("--fault", f)])
     try:
-        run.wait_for_step(5, WAIT)
-        victim = run.worker_pid(2)
-        os.kill(victim, signal.SIGKILL)
         assert run.wait(WAIT) == 0, run.output()
     finally:
         run.close()
-    (f,) = run.events("failure")
-    assert (f["cause"], f["process"], f["code"]) == ("signal", 2, -9)
-    assert [r["counted"] for r in run.events("restart")] == [True]
-    assert losses(run.run_dir) == reference[1]
-    s = run.summary()
-    assert s["status"] == "completed" and s["restarts"] == 1 and s["lost_steps"] >= 0
-    assert s["incidents"][0]["recovery_s"] > 0 and s["mttr_s"] == s["incidents"][0]["recovery_s"]
-    # survivors left on their own (collective error -> exit 43) or were stopped; none remain
+    fired = run.events("fault_injected")
+    assert [f["kind"] for f in fired] == ["kill", "hang", "sigterm", "nan"]
+    kill, hang, nan = run.events("failure")
+    # SIGKILL: the signal and the process are named; survivors left on their own (collective
+    # error -> exit 43) or were stopped; none remain
+    assert (kill["cause"], kill["process"], kill["code"]) == ("signal", 2, -9)
     assert run.events("survivors_stopped")[0]["killed"] <= 3
-
-
-def test_hang_detected_stacks_dumped_restart(tmp_path, reference):
-    run = _launch(tmp_path, "--hang-timeout", str(HANG_TIMEOUT), "--fault", "hang@6:process=2")
-    try:
-        assert run.wait(WAIT) == 0, run.output()
-    finally:
-        run.close()
-    (fault,) = run.events("fault_injected")
-    (f,) = run.events("failure")
-    assert (f["cause"], f["process"], f["step"]) == ("hang", 2, 6)
-    assert "injected fault hang@6:process=2" in run.output()  # the console says it was injected
-    latency = f["time"] - fault["time"]
-    assert latency < HANG_TIMEOUT + 10, latency  # the clock runs from its last heartbeat
+    # hang: the clock runs from the hung process's last heartbeat
+    assert (hang["cause"], hang["process"], hang["step"]) == ("hang", 2, 5)
+    assert "injected fault hang@5:process=2" in run.output()  # the console says it was injected
+    latency = hang["time"] - fired[1]["time"]
+    assert latency < HANG_TIMEOUT + 10, latency
     (dump,) = run.events("stacks_dumped")
     assert len(dump["files"]) == 4
     hung = (run.run_dir / next(p for p in dump["files"] if p.endswith("proc2.txt"))).read_text()
     assert "in before_step" in hung and "faults.py" in hung  # the frame that hangs
-    assert losses(run.run_dir) == reference[1]
-
-
-def test_sigterm_preemption_uncounted_restart_exact(tmp_path, reference):
-    run = _launch(tmp_path, "--fault", "sigterm@6:process=1")
-    try:
-        assert run.wait(WAIT) == 0, run.output()
-    finally:
-        run.close()
-    assert run.events("failure") == []
+    # preemption: not a failure, the workers' coordinated save, an uncounted restart
     (p,) = run.events("preemption")
-    assert p["code"] == 42
-    assert [r["counted"] for r in run.events("restart")] == [False]
-    assert run.events("preempted")  # the workers' coordinated save
+    assert p["code"] == 42 and run.events("preempted")
+    # NaN: rolled back to a checkpoint before the poisoned step
+    assert (nan["cause"], nan["step"]) == ("nan", 8)
+    assert run.events("restore")[-1]["step"] < 8
+    assert [r["counted"] for r in run.events("restart")] == [True, True, False, True]
     s = run.summary()
-    assert s["restarts"] == 1 and s["counted_restarts"] == 0 and s["preemptions"] == 1
-    assert losses(run.run_dir) == reference[1]
-
-
-def test_nan_rolls_back_and_completes(tmp_path, reference):
-    run = _launch(tmp_path, "--fault", "nan@6")
-    try:
-        assert run.wait(WAIT) == 0, run.output()
-    finally:
-        run.close()
-    (f,) = run.events("failure")
-    assert (f["cause"], f["step"]) == ("nan", 6)
-    assert run.events("restore")[-1]["step"] == 4
+    assert s["status"] == "completed" and s["restarts"] == 4 and s["counted_restarts"] == 3
+    assert s["preemptions"] == 1 and s["lost_steps"] >= 0
+    assert all(i["recovery_s"] > 0 for i in s["incidents"]) and s["mttr_s"] > 0
     assert losses(run.run_dir) == reference[1]
 
 

@@ -17,6 +17,7 @@ from hardening_util import call, snapshot
 from jaxpar import rundir
 from jaxpar.metrics import RunDir
 from jaxpar.runlog import append_line, read_jsonl, read_jsonl_counted, write_json
+from tests.helpers import SMALL
 from train import __main__ as train_main
 
 # ---- a refused run leaves the run directory byte-for-byte unchanged -----------------------------
@@ -24,7 +25,8 @@ from train import __main__ as train_main
 
 @pytest.fixture
 def finished(ckpt_reference, tmp_path):
-    """A copy of conftest's finished run: gpt_tiny, 30 steps, checkpoints 10, 20, 30."""
+    """A copy of conftest's finished run: gpt_tiny made small (SMALL), 30 steps, checkpoints 10,
+    20, 30."""
     run_dir = tmp_path / "run"
     shutil.copytree(ckpt_reference, run_dir)
     return run_dir
@@ -35,12 +37,12 @@ def test_refused_run_leaves_run_dir_unchanged_and_names_what_changed(finished, c
     before = snapshot(finished)
     cases = {
         ("--set", "optim.lr=0.001"): "optim.lr: 0.003 → 0.001",
-        ("--recipe", "gpt_small"): "model.n_layers: 4 → 6",
-        ("--set", "model.d_model=64"): "model.d_model: 128 → 64",
+        ("--recipe", "gpt_small"): "model.n_heads: 4 → 8",
+        ("--set", "model.d_model=32"): "model.d_model: 64 → 32",
         ("--set", "optim.lr=-1"): "optim.lr=-1.0 is out of range",
     }
     for args, message in cases.items():
-        code = call(train_main.main, ["--run-dir", str(finished), "--steps", "40", *args])
+        code = call(train_main.main, ["--run-dir", str(finished), "--steps", "40", *SMALL, *args])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         if "→" in message:
@@ -52,7 +54,7 @@ def test_refused_run_leaves_run_dir_unchanged_and_names_what_changed(finished, c
 def test_steps_at_or_below_the_checkpoint_is_nothing_to_do(finished, capsys):
     before = snapshot(finished)
     for steps in ("5", "30"):
-        assert call(train_main.main, ["--run-dir", str(finished), "--steps", steps]) == 0
+        assert call(train_main.main, ["--run-dir", str(finished), "--steps", steps, *SMALL]) == 0
         err = capsys.readouterr().err.strip()
         assert err == f"jaxpar: checkpoint at step 30 ≥ --steps {steps}; nothing to do"
     assert snapshot(finished) == before  # summary.json, events, incarnation untouched

@@ -17,12 +17,10 @@ from pathlib import Path
 import psutil
 
 from jaxpar.metrics import last_per_step, read_jsonl
+from tests.helpers import SMALL  # the supervisor does not care what it trains
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-# gpt_tiny made smaller so that each incarnation compiles in seconds on a shared 2-core machine;
-# the supervisor does not care what it trains.
-SMALL = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128"]
 
 
 def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list[str]:

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from jaxpar import snapshot
-from tests.helpers import LOCAL_ENV, events, losses, ok, run, train_cmd
+from tests.helpers import LOCAL_ENV, SMALL, events, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ STEPS = 30
 
 
 def train(run_dir, faults=()):
-    return run(train_cmd(run_dir, "--set", "ckpt.every=10", steps=STEPS, faults=faults))
+    return run(train_cmd(run_dir, "--set", "ckpt.every=10", *SMALL, steps=STEPS, faults=faults))
 
 
 def assert_exact(run_dir, ref):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.metrics import RunDir
-from tests.helpers import cpu_env, losses, ok, run, train_cmd
+from tests.helpers import SMALL, cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,15 @@ def test_cli_run_dir_resumes_on_another_mesh(ckpt_reference, tmp_path):
     ref = losses(ckpt_reference)  # dp8, 30 steps, saves every 10 (conftest)
     run_dir = tmp_path / "run"
     shutil.copytree(ckpt_reference, run_dir)
-    args = ("--set", "ckpt.every=10", "--mesh", "data=2,tensor=2", "--set", "ckpt.restore=10")
+    args = (
+        "--set",
+        "ckpt.every=10",
+        *SMALL,
+        "--mesh",
+        "data=2,tensor=2",
+        "--set",
+        "ckpt.restore=10",
+    )
     ok(run(train_cmd(run_dir, *args, steps=30), cpu_env(devices=4)))
     events = RunDir(str(run_dir)).events()
     (restore,) = [e for e in events if e["event"] == "restore"]

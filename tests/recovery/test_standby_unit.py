@@ -1,0 +1,116 @@
+"""The supervisor's choice of restart path (standby group / spares / cold) in policy terms, and
+the standby worker's protocol (ready line, then "go" or release) without jax."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from jaxpar.supervisor.policy import restart_path
+
+WANT = {"incarnation": 3, "attempt": 2, "nproc": 2, "process_ids": [0, 1], "layout": None,
+        "faults": [], "collective_timeout": 600.0}  # fmt: skip
+
+
+def decide(standby=WANT, ready=True, enabled=True, nnodes=1, spares=True):
+    sb = None if standby is None else dict(standby, coordinator="127.0.0.1:1", standby=True)
+    return restart_path(enabled=enabled, nnodes=nnodes, standby=sb, ready=ready, want=WANT,
+                        spares=spares)  # fmt: skip
+
+
+def test_ready_standby_built_for_this_group_is_used():
+    assert decide() == ("standby", "")
+
+
+def test_standby_not_ready_falls_back_to_spares_or_cold():
+    assert decide(ready=False) == ("spares", "standby not ready")
+    assert decide(ready=False, spares=False) == ("cold", "standby not ready")
+    assert decide(standby=None) == ("spares", "no standby group")
+
+
+def test_shrink_changes_the_layout_so_the_standby_is_not_used():
+    shrunk = dict(WANT, nproc=1, process_ids=[0], layout={"mesh": "data=2", "microbatches": 2})
+    assert decide(standby=shrunk) == ("spares", "layout changed")
+    assert decide(standby=dict(WANT, layout={"mesh": "data=2", "microbatches": 2}),
+                  spares=False) == ("cold", "layout changed")  # fmt: skip
+
+
+def test_standby_of_another_incarnation_is_not_used():
+    assert decide(standby=dict(WANT, attempt=1)) == ("spares", "built for another incarnation")
+    assert decide(standby=dict(WANT, incarnation=4)) == ("spares", "built for another incarnation")
+
+
+def test_multi_node_and_off():
+    assert decide(nnodes=2) == ("spares", "multi-node job")
+    assert decide(enabled=False) == ("spares", "")  # off: no reason to report
+    assert decide(enabled=False, spares=False) == ("cold", "")
+
+
+STANDBY_CHILD = """
+import os, sys
+from jaxpar import standby
+standby.wait_for_go()
+print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True)
+"""
+
+
+def _child(tmp_path, env_extra):
+    r, w = os.pipe()
+    env = {**os.environ, "JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_FD": str(w), **env_extra}
+    env.pop("JAXPAR_RUN_DIR", None)
+    p = subprocess.Popen([sys.executable, "-c", STANDBY_CHILD], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, pass_fds=(w,))  # fmt: skip
+    os.close(w)
+    return p, r
+
+
+def test_standby_reports_ready_then_goes_on_in_the_log(tmp_path):
+    p, r = _child(tmp_path, {})
+    try:
+        assert os.read(r, 64) == b"ready\n"
+        log = tmp_path / "worker.log"
+        p.stdin.write(f'{{"log": "{log}"}}\n'.encode())
+        p.stdin.close()
+        assert p.wait(timeout=120) == 0
+        assert log.read_text() == "went standby False\n"  # its output moved to the worker log
+        assert p.stdout.read() == b""
+    finally:
+        os.close(r)
+        p.kill()
+        p.wait()
+
+
+def test_released_standby_exits_0_writing_nothing(tmp_path):
+    p, r = _child(tmp_path, {})
+    try:
+        assert os.read(r, 64) == b"ready\n"
+        p.stdin.close()  # end of input: released
+        assert p.wait(timeout=120) == 0
+        assert p.stdout.read() == b""
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        os.close(r)
+        p.kill()
+        p.wait()
+
+
+def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path):
+    """A standby loads compiled programs but stores none before "go"; then its miss is stored."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar import compile_cache
+
+    folder = tmp_path / "compiled"
+    lowered = jax.jit(lambda x: jnp.sin(x) * 3.0).lower(jnp.ones((4,), jnp.float32))
+    try:
+        compile_cache.configure(str(folder), readonly=True)
+        _, hit = compile_cache.compile(lowered, "standby_probe")
+        assert not hit and not folder.exists()  # nothing written, not even the folder
+        compile_cache.configure(str(folder))
+        assert [p.name.startswith("standby_probe-") for p in folder.iterdir()] == [True]
+        _, hit = compile_cache.compile(lowered, "standby_probe")
+        assert hit  # what the read-only process compiled serves the next one
+    finally:
+        compile_cache.configure(None)

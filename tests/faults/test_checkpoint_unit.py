@@ -9,6 +9,7 @@ import asyncio
 import glob
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -212,6 +213,35 @@ def test_every_checkpoint_corrupt_and_set_aside_are_on_the_console(tmp_path, mes
     for step in (1, 2):
         assert f"checkpoint step {step} is damaged" in err and "set aside as" in err, err
     assert "every checkpoint is corrupt (steps [2, 1]), starting from step 0" in err, err
+
+
+def test_garbage_metadata_is_named_and_the_restore_falls_back(tmp_path, meshes8, capsys):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    step2 = tmp_path / "run" / "checkpoints" / "2"
+    meta_file, sums_file = step2 / "meta" / "metadata", step2 / "checksums.json"
+    good_meta, good_sums = meta_file.read_bytes(), sums_file.read_bytes()
+    ckpt = checkpointer(tmp_path)
+    bad = {
+        meta_file: [b"\x00\xff garbage", b"[1, 2]", b'{"step": 3}', b'{"step": 2, "mesh": 8}'],
+        sums_file: [b"{not json", b'"a string"', b'{"[\'step\']": "1234"}'],
+    }
+    for path, blobs in bad.items():
+        for blob in blobs:
+            path.write_bytes(blob)
+            with pytest.raises(
+                ValueError, match=f"^{re.escape(str(path))}: .*not written by jaxpar"
+            ):
+                ckpt.read_meta(2)
+        path.write_bytes(good_meta if path == meta_file else good_sums)
+    assert ckpt.read_meta(2)["step"] == 2
+    meta_file.write_bytes(b"\x89PNG garbage")
+    state, meta = ckpt.restore(abstract(s1, mesh))
+    ckpt.close()
+    assert meta["step"] == 1 and meta["skipped"] == [2] and bits_equal(host(state), s1)
+    (corrupt,) = events(tmp_path, "checkpoint_corrupt")
+    assert corrupt["reason"].startswith(f"metadata: {meta_file}: unreadable"), corrupt
+    assert f"checkpoint step 2 is damaged (metadata: {meta_file}" in capsys.readouterr().err
 
 
 def test_restore_which_config_refusal_and_force(tmp_path, meshes8):

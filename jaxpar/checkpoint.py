@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import logging
 import os
 import re
@@ -39,7 +38,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from jaxpar import compile_cache, runlog
+from jaxpar import compile_cache, orbax_loop, runlog
 from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
 from jaxpar.mesh import REPLICA_AXES
 from jaxpar.metrics import RunDir, write_json
@@ -108,6 +107,7 @@ class _DiskFullLogFilter(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DiskFullLogFilter())
+orbax_loop.install()  # a failed save or restore: no "Event loop is closed" tracebacks
 
 
 # ---- hashing ----------------------------------------------------------------------------------
@@ -484,10 +484,16 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def read_meta(self, step: int) -> dict:
-        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = dict(out["meta"])
-        with open(os.path.join(self.directory, str(step), CHECKSUMS_FILE)) as f:
-            meta["checksums"] = json.load(f)
+        """Committed step `step`'s metadata with its checksum table (meta["checksums"]).
+
+        Both files are untrusted input, read bounded: anything but what a save writes raises
+        ValueError naming the file."""
+        meta = read_meta_object(self.directory, step)
+        path = os.path.join(self.directory, str(step), CHECKSUMS_FILE)
+        sums = runlog.read_json_object(path, "checksum table", _DAMAGED)
+        if not all(type(v) is int for v in sums.values()):
+            raise ValueError(f"{path}: not a checksum table (values must be integers){_DAMAGED}")
+        meta["checksums"] = sums
         return meta
 
     def restore(
@@ -529,7 +535,7 @@ class Checkpointer:
         try:
             meta = self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means a damaged checkpoint
-            reason = f"metadata: {e!r}"
+            reason = f"metadata: {e}" if isinstance(e, ValueError) else f"metadata: {e!r}"
         if not _all_agree(reason is None):
             return self._reject(step, reason or "metadata unreadable on another process")
         hash_differs = self._check_config(meta, force)
@@ -607,14 +613,28 @@ def restore_candidates(which: str, steps: list[int], directory: str) -> list[int
     return [int(which)]
 
 
+_DAMAGED = "; the checkpoint is damaged or was not written by jaxpar"
+
+
+def read_meta_object(ckpt_dir: str, step: int) -> dict:
+    """A committed step's `meta` item (JSON written by `Checkpointer.save`), checked: ValueError
+    naming the file when it is garbage or lacks what a save writes."""
+    path = os.path.join(ckpt_dir, str(step), "meta", "metadata")
+    meta = runlog.read_json_object(path, "checkpoint metadata object", _DAMAGED)
+    if type(meta.get("step")) is not int or meta["step"] != step:
+        raise ValueError(f"{path}: 'step' is {meta.get('step')!r}, not {step}{_DAMAGED}")
+    for key in ("mesh", "config_hash"):
+        if key in meta and not isinstance(meta[key], str):
+            raise ValueError(f"{path}: {key!r} is {meta[key]!r}, not a string{_DAMAGED}")
+    return meta
+
+
 def read_meta_file(ckpt_dir: str, step: int) -> dict | None:
-    """A committed step's `meta` item (JSON), or None when it is unreadable."""
+    """A committed step's `meta` item, or None when it is unreadable."""
     try:
-        with open(os.path.join(ckpt_dir, str(step), "meta", "metadata"), "rb") as f:
-            meta = json.loads(f.read(1 << 20).decode("utf-8"))
-    except (OSError, ValueError):
+        return read_meta_object(ckpt_dir, step)
+    except ValueError:
         return None
-    return meta if isinstance(meta, dict) else None
 
 
 def mismatch_message(directory: str, have: dict, want: dict, want_config: dict | None) -> str:

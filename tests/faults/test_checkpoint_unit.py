@@ -5,15 +5,20 @@ python -m pytest tests/faults/test_checkpoint_unit.py
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import math
 import os
+import re
 import signal
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +42,10 @@ from jaxpar.faults import (
 )
 from jaxpar.mesh import make_mesh
 from jaxpar.metrics import RunDir
+from jaxpar.orbax_loop import asyncio_utils
+
+# An exception raised where nothing can catch it (a callback on a closed event loop) fails the test.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
 
 def host_state(seed: int = 0) -> dict:
@@ -206,6 +215,35 @@ def test_every_checkpoint_corrupt_and_set_aside_are_on_the_console(tmp_path, mes
     assert "every checkpoint is corrupt (steps [2, 1]), starting from step 0" in err, err
 
 
+def test_garbage_metadata_is_named_and_the_restore_falls_back(tmp_path, meshes8, capsys):
+    mesh = meshes8["dp8"]
+    s1, _ = saved_twice(tmp_path, mesh)
+    step2 = tmp_path / "run" / "checkpoints" / "2"
+    meta_file, sums_file = step2 / "meta" / "metadata", step2 / "checksums.json"
+    good_meta, good_sums = meta_file.read_bytes(), sums_file.read_bytes()
+    ckpt = checkpointer(tmp_path)
+    bad = {
+        meta_file: [b"\x00\xff garbage", b"[1, 2]", b'{"step": 3}', b'{"step": 2, "mesh": 8}'],
+        sums_file: [b"{not json", b'"a string"', b'{"[\'step\']": "1234"}'],
+    }
+    for path, blobs in bad.items():
+        for blob in blobs:
+            path.write_bytes(blob)
+            with pytest.raises(
+                ValueError, match=f"^{re.escape(str(path))}: .*not written by jaxpar"
+            ):
+                ckpt.read_meta(2)
+        path.write_bytes(good_meta if path == meta_file else good_sums)
+    assert ckpt.read_meta(2)["step"] == 2
+    meta_file.write_bytes(b"\x89PNG garbage")
+    state, meta = ckpt.restore(abstract(s1, mesh))
+    ckpt.close()
+    assert meta["step"] == 1 and meta["skipped"] == [2] and bits_equal(host(state), s1)
+    (corrupt,) = events(tmp_path, "checkpoint_corrupt")
+    assert corrupt["reason"].startswith(f"metadata: {meta_file}: unreadable"), corrupt
+    assert f"checkpoint step 2 is damaged (metadata: {meta_file}" in capsys.readouterr().err
+
+
 def test_restore_which_config_refusal_and_force(tmp_path, meshes8):
     mesh = meshes8["dp8"]
     s1, s2 = saved_twice(tmp_path, mesh)
@@ -266,6 +304,30 @@ def test_sigterm_sets_the_preemption_flag_when_alone(tmp_path):
     assert ckpt.reached_preemption(1)
     ckpt.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_failed_batch_closes_its_event_loop_only_after_its_other_operations(monkeypatch):
+    """One of two concurrent TensorStore operations fails (a full disk, a damaged file) while the
+    other is still running: orbax's event loop must outlive it, or the late completion calls a
+    closed loop from a TensorStore thread ("Event loop is closed", an unraisable exception)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    promise, late = ts.Promise.new()  # completed by another thread once the failure is raised
+
+    async def fails():
+        await asyncio.sleep(0)
+        raise OSError(28, "No space left on device")
+
+    async def batch():
+        await asyncio.gather(late, fails())
+
+    timer = threading.Timer(0.5, promise.set_result, (1,))
+    timer.start()
+    with pytest.raises(OSError, match="No space"):
+        asyncio_utils.run_sync(batch())  # orbax's entry to every synchronous batch
+    timer.join()
+    assert late.result() == 1 and late.done()
+    assert [repr(u.exc_value) for u in unraisable] == []
 
 
 # ---- fault specs -------------------------------------------------------------------------------

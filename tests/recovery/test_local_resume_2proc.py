@@ -130,3 +130,26 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     # host died is rejected (with an event) and the one before it is used
     assert 1 <= restore["step"] <= 6
     assert_exact(run_dir, reference)
+
+
+def test_worker_killed_standby_group_takes_over(reference, tmp_path):
+    """Under --standby the next incarnation is built while the group trains (slowed down from
+    step 3 so that it is ready); the kill switches to it: it restores the newest snapshot and
+    trains on to the same losses."""
+    run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", "--standby",
+                                    "--fault", "slow@3:process=0:seconds=3",
+                                    "--fault", "kill@8:process=1"], _cmd())  # fmt: skip
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    first, second = run.events("group_started")
+    assert first["path"] == "cold" and second["path"] == "standby", second
+    starts = {e["incarnation"]: e for e in run.events("start")}
+    assert starts[1]["path"] == "standby" and starts[1]["warm"] is True, starts
+    compiled = [e for e in run.events("compiled") if e["incarnation"] == 1]
+    assert compiled and compiled[0]["ahead"] is True and compiled[0]["misses"] == 0, compiled
+    (restore,) = run.events("restore")
+    assert restore["tier"] == "local" and restore["incarnation"] == 1, restore
+    assert_exact(run.run_dir, reference)
+    assert not _alive_with(run.run_dir), "standby or worker processes outlived the job"

@@ -12,7 +12,11 @@ real SIGKILLs:
    restart paths side by side in one benchmark: `local` (pre-started spare workers, compiled
    programs kept in the run directory, restore from the local snapshot tier taken every step),
    `persistent` (the same, restoring from the persistent checkpoint: `ckpt.local_every=0`) and
-   `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier). Medians over incidents.
+   `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier), and `standby`
+   (`--standby`: the next group built ahead, up to its loaded step, local tier). A standby group
+   is built once its group has compiled; so that it is ready before each kill, process 0 of the
+   standby job sleeps SLOW_S in each of the SLOW_STEPS steps before a kill (`slow@S` faults; they
+   fire once, so the steps after a restart are not slowed). Medians over incidents.
 2. Goodput under failures every T seconds: the same job for a fixed wall time while the
    benchmark SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then
    stops it with SIGTERM (the preemption path: save and exit). Goodput = productive step time /
@@ -59,7 +63,9 @@ MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
     "persistent": ([], ["ckpt.local_every=0"]),
     "local": ([], ["ckpt.local_every=1"]),
+    "standby": (["--standby"], ["ckpt.local_every=1"]),
 }
+SLOW_STEPS, SLOW_S = 4, 4.0  # the standby job: time for its standby group to get ready
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
@@ -142,6 +148,8 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     faults = []
     for i, step in enumerate(p["kills"]):
         faults += ["--fault", f"kill@{step}:process={1 + i % (p['nproc'] - 1)}"]
+        if mode == "standby":
+            faults += ["--fault", f"slow@{step - SLOW_STEPS}:process=0:seconds={SLOW_S}"]
     run_dir = os.path.join(root, f"recovery-{mode}")
     args = [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)]
     job = _Job(
@@ -158,6 +166,8 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         "incidents": len(incidents),
         # how the restarted groups came up: from spares, and with compiled programs loaded
         "warm_starts": sum(1 for e in restarted if e.get("event") == W.START and e.get("warm")),
+        # how each restarted group was started: standby | spares | cold
+        "paths": [e.get("path") for e in restarted if e.get("event") == S.GROUP_STARTED],
         "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
@@ -263,7 +273,7 @@ def run(b: Bench) -> dict:
         good = [measure_goodput(t, p, recipe, overrides, root) for t in p["periods"]]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    cold, _, fast = rec
+    cold, _, fast, standby = rec
     ratio = (
         (cold["recovery_s"] / fast["recovery_s"])
         if cold["recovery_s"] and fast["recovery_s"]
@@ -279,10 +289,13 @@ def run(b: Bench) -> dict:
         "recovery": rec,
         "recovery_s": fast["recovery_s"],
         "cold_over_local": ratio,
+        "standby_s": standby["recovery_s"],
         "goodput": good,
     }
     text = _table(rec, good)
     if ratio:
         text += (f"\n\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache + local "
                  f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
+    if standby["recovery_s"]:
+        text += f"; {standby['recovery_s']:.1f}s from a standby group"
     return b.write("recovery", result, text)

@@ -1,7 +1,7 @@
 """`jaxpar bench recovery --quick`: real 4-process supervised jobs with a SIGKILL, restarted cold,
-through spares + the compiled-program cache from the persistent checkpoint, and the same from the
-local snapshot tier, and a goodput run under timed kills. Asserts the shape of recovery.json and
-how the restarts came up, never their timings."""
+through spares + the compiled-program cache from the persistent checkpoint, the same from the
+local snapshot tier, and from a standby group (`--standby`), and a goodput run under timed kills.
+Asserts the shape of recovery.json and how the restarts came up, never their timings."""
 
 from __future__ import annotations
 
@@ -32,15 +32,20 @@ def test_bench_recovery_quick(tmp_path):
     with open(os.path.join(tmp_path, "recovery.json")) as f:
         r = json.load(f)
     assert r["suite"] == "recovery" and r["nproc"] == 2 and r["devices_per_proc"] == 2  # quick: 2
-    cold, persistent, fast = r["recovery"]
-    assert (cold["mode"], persistent["mode"], fast["mode"]) == ("cold", "persistent", "local")
-    for mode in (cold, persistent, fast):
+    cold, persistent, fast, standby = r["recovery"]
+    modes = ("cold", "persistent", "local", "standby")
+    assert tuple(m["mode"] for m in r["recovery"]) == modes
+    for mode in r["recovery"]:
         assert mode["exit_code"] == 0 and mode["incidents"] == 1
         assert mode["recovery_s"] > 0 and mode["recovery_s"] >= mode["init_s"] > 0
     # the warm paths came up from the spares with their programs loaded; the cold one did not
-    for mode in (persistent, fast):
+    for mode in (persistent, fast, standby):
         assert mode["warm_starts"] == 1 and mode["cache_hits"] >= 2
     assert cold["warm_starts"] == 0 and cold["cache_hits"] == 0
+    assert (cold["paths"], persistent["paths"], standby["paths"]) == (["cold"], ["spares"],
+                                                                       ["standby"])  # fmt: skip
+    assert standby["restore_tiers"] == ["local"] and standby["lost_steps_each"][0] <= 1
+    assert r["standby_s"] == standby["recovery_s"]
     # killed at step 6 with a checkpoint at 3: the persistent tier loses 2 steps, RAM at most 1
     assert cold["restore_tiers"] == persistent["restore_tiers"] == ["persistent"]
     assert cold["lost_steps_each"] == persistent["lost_steps_each"] == [2]

@@ -19,6 +19,7 @@ is tried. The same per-device hashes, compared across `data`, are the replica ch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import logging
@@ -422,6 +423,7 @@ class Checkpointer:
         if step in self.manager.all_steps():  # left by a run restored from an older step
             self.manager.delete(step)
             self.run.event(W.CHECKPOINT_REPLACED, step=step)
+        self._check_space(state)
         hashes = _hashes(state)  # dispatched (or done by the replica check); read in _pre_commit
         meta = {**self.meta, "step": step, "data_position": step, "time": time.time()}
         self._pending = (step, hashes)
@@ -436,6 +438,27 @@ class Checkpointer:
         self._own_steps.add(step)
         self.run.event(W.SAVE_END, step=step, blocking_s=blocked, use_async=self.use_async)
         return blocked
+
+    def _check_space(self, state: dict) -> None:
+        """Refuse a save the disk cannot hold, on every process at once (ENOSPC naming the
+        directory). A save that runs out of space midway fails on some processes only, and
+        orbax's other processes then wait at a barrier for its timeout (10 minutes), hiding
+        the failure; refusing it before anything is written stops the whole job at once."""
+        steps = committed_on_disk(self.directory)
+        need = _bytes_on_disk(os.path.join(self.directory, str(steps[-1]))) if steps else 0
+        need = need or sum(x.nbytes for x in jax.tree.leaves(state))  # before the first commit
+        need = int(need * SPACE_MARGIN) + SPACE_RESERVE
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            free = need  # cannot tell: let the save find out
+        if not _all_agree(free >= need):
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device: the next checkpoint needs about {need >> 10} KiB, "
+                f"{free >> 10} KiB free",
+                self.directory,
+            )
 
     def wait(self) -> None:
         """Wait for the save in flight; its error (e.g. a full disk) is raised here."""
@@ -591,6 +614,20 @@ class Checkpointer:
 def say(text: str) -> None:
     """One line on the console (stderr): what a user must know even without reading events."""
     print(f"jaxpar: {text}", file=sys.stderr, flush=True)
+
+
+SPACE_MARGIN = 1.25  # a save needs the newest checkpoint's size times this, plus the reserve
+SPACE_RESERVE = 256 << 10  # room left for logs, metadata and temporary files
+
+
+def _bytes_on_disk(folder: str) -> int:
+    """The bytes of the files under `folder` (symlinks not followed)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def committed_on_disk(ckpt_dir: str) -> list[int]:

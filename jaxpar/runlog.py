@@ -45,6 +45,7 @@ HEARTBEATS = "heartbeats"
 STACKS = "stacks"
 LOGS = "logs"
 LOCK = "lock"  # the run's owner (jaxpar/rundir.py)
+LOCAL_TIER_ID = "local_tier_id"  # the run directory's identity for its local snapshots
 
 
 # ---- event names ----------------------------------------------------------------------------
@@ -78,13 +79,14 @@ class WorkerEvent:
     SNAPSHOT_ERROR = "snapshot_error"  # the writer failed: the tier is off for this incarnation
     PEER_REPLICATION_FAILED = "peer_replication_failed"
     LOCAL_FALLBACK = "local_fallback"  # snapshots existed, none usable: to, step, skipped, ...
+    LOCAL_TIER_CLEANED = "local_tier_cleaned"  # stale snapshot folders removed at start
 
     ALL = frozenset(
         {START, RESTORE, RESTORE_FORCED, COMPILED, DONE, PREEMPTED, WALL_TIME_LIMIT, NONFINITE,
          REPLICA_MISMATCH, COMM_STATE_RESET, SAVE_BEGIN, SAVE_END, CHECKPOINT_REPLACED,
          UNCOMMITTED_IGNORED, NO_GOOD_CHECKPOINT, CHECKPOINT_CORRUPT, FAULT_INJECTED, LOCAL_TIER,
          LOCAL_TIER_STATS, SNAPSHOT_REJECTED, SNAPSHOT_TORN, SNAPSHOT_ERROR,
-         PEER_REPLICATION_FAILED, LOCAL_FALLBACK}
+         PEER_REPLICATION_FAILED, LOCAL_FALLBACK, LOCAL_TIER_CLEANED}
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ by only some processes), `fallback` says so and the trainer announces the fallba
 persistent checkpoint or a fresh start (`local_fallback`).
 
 Snapshots are untrusted input: a marker is used only if its binding — this run (a hash of the
-run directory), config hash, process count and index, mesh, and a digest of every leaf's path,
+run directory's path and its identity, jaxpar/snapshot_clean.py), config hash, process count and index, mesh, and a digest of every leaf's path,
 shape, dtype and block-to-device layout — equals this process's. A snapshot of another layout
 is never used (the persistent checkpoint, which reshards, is).
 
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import compile_cache, snapshot_peer
+from jaxpar import compile_cache, snapshot_clean, snapshot_peer
 from jaxpar.metrics import RunDir
 from jaxpar.runlog import W
 from jaxpar.snapshot_store import (  # noqa: F401 - DATA, MARKER, SLOTS: the tier's file layout
@@ -213,8 +213,13 @@ class LocalTier:
         self.nbytes = sum(b.nbytes for b in self.blocks)
         self.every = plan_every(every, self.nbytes)
         self.node = node_dir(root, run.path)
+        # stale folders of this node go first; the run directory's identity binds every snapshot
+        ident, removed = snapshot_clean.prepare(root, self.node, run.path, self.nproc)
+        if removed:
+            run.event(W.LOCAL_TIER_CLEANED, all_processes=True, removed=removed[:20],
+                      count=len(removed))  # fmt: skip
         self.binding = {**binding, "format": FORMAT, "run": run_key(run.path), "layout": digest,
-                        "nproc": self.nproc, "process": self.process}  # fmt: skip
+                        "nproc": self.nproc, "process": self.process, "run_id": ident}  # fmt: skip
         self.own = Slots(os.path.join(self.node, f"proc{self.process}"))
         self.before_commit = before_commit
         self.stats = Stats()
@@ -389,9 +394,9 @@ class LocalTier:
             self.peers.close()
         if complete:
             shutil.rmtree(self.own.root, ignore_errors=True)
-            for d in (os.path.join(self.node, "peer"), self.node):
-                with contextlib.suppress(OSError):
-                    os.rmdir(d)  # only once empty: other processes' snapshots may remain
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.node, "peer"))  # only once empty
+            snapshot_clean.release(self.node)  # the last process of the node removes it
 
     # -- restoring ------------------------------------------------------------------------------
 

@@ -69,9 +69,14 @@ class Slots:
     def commit(self, k: int, marker: dict) -> None:
         d = self.dirs[k]
         tmp = os.path.join(d, MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(marker, f)
-        os.replace(tmp, os.path.join(d, MARKER))
+        try:
+            with open(tmp, "w") as f:
+                json.dump(marker, f)
+            os.replace(tmp, os.path.join(d, MARKER))
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk: no temporary file left behind
+                os.remove(tmp)
+            raise
 
     def find(self, step: int) -> int | None:
         for k, m in self.committed().items():
@@ -87,9 +92,14 @@ class Slots:
 
 
 def write_data(path: str, chunks) -> None:
-    with open(path, "wb") as f:
-        for c in chunks:
-            f.write(c)
+    try:
+        with open(path, "wb") as f:
+            for c in chunks:
+                f.write(c)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: free what the partial write took
+            os.remove(path)
+        raise
 
 
 def file_size(path: str) -> int:

@@ -98,7 +98,7 @@ def test_bf16_conversion_reported_honestly_on_cpu(devices8):
 def test_int8_error_feedback_training_within_1pct_of_fp32(jp):
     steps = 20
     base = jp.recipe("gpt_tiny", steps)
-    base = dataclasses.replace(base, model=dataclasses.replace(base.model, n_layers=2))
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, n_layers=1))
     fp32, _ = run_losses(jp, with_comm(base, steps), "dp8")
     int8, _ = run_losses(jp, with_comm(base, steps, compress="int8"), "dp8")
     rel = abs(int8[-1] - fp32[-1]) / fp32[-1]
@@ -108,7 +108,7 @@ def test_int8_error_feedback_training_within_1pct_of_fp32(jp):
 
 def _sgd_tiny(jp, steps):
     cfg = jp.recipe("gpt_tiny", steps)
-    model = dataclasses.replace(cfg.model, n_layers=2)
+    model = dataclasses.replace(cfg.model, n_layers=1)
     optim = OptimConfig(name="sgd", lr=0.2, warmup_steps=0, clip_norm=0.0)
     return dataclasses.replace(cfg, model=model, optim=optim)
 
@@ -175,7 +175,7 @@ def test_resume_with_comm_state_is_bitwise_exact(jp, tmp_path, comm):
         comm=dataclasses.replace(CommConfig(), **comm),
         optim=dataclasses.replace(cfg.optim, decay_steps=50),  # schedule independent of steps
         ckpt=CkptConfig(every=3, use_async=False),
-        model=dataclasses.replace(cfg.model, n_layers=2),
+        model=dataclasses.replace(cfg.model, n_layers=1),
         train=dataclasses.replace(cfg.train, eval_every=0),
     )
     straight = _run(cfg, "dp8", tmp_path / "a", 6)

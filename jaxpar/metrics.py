@@ -79,6 +79,9 @@ class RunDir:
 
     def create(self) -> None:
         """Make the directory; the incarnation is counted again (under the run's lock)."""
+        from jaxpar import standby
+
+        standby.wait_for_go()  # a standby worker whose own loop got here first: wait for "go"
         os.makedirs(self.path, exist_ok=True)
         if self._incarnation is None:
             self.incarnation = self.count_starts()

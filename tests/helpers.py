@@ -99,6 +99,14 @@ def losses(run_dir) -> dict[int, float]:
     return {s: m["loss"] for s, m in last_per_step(lines).items()}
 
 
+def assert_exact(run_dir, ref: dict[int, float]) -> None:
+    """The run's losses (last line per step) equal `ref`'s, bitwise, at every step."""
+    got = losses(run_dir)
+    assert sorted(got) == sorted(ref)
+    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
+    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
+
+
 def events(run_dir, name: str | None = None, incarnation: int | None = None) -> list[dict]:
     """A run directory's events.jsonl, optionally only one event name and/or incarnation."""
     return [

@@ -231,6 +231,8 @@ class LocalGroup:
         if self.standby is None:
             return False
         if self.standby.failed():  # a standby worker died while waiting: not worth keeping
+            kept = self.standby.keep_logs(self.log_dir)
+            say(f"the standby group failed before it was needed; its output: {', '.join(kept)}")
             self.release_standby()
             return False
         return self.standby.ready()
@@ -398,6 +400,16 @@ class Standby:
         with contextlib.suppress(OSError):  # a worker that died shows as an exit at once
             proc.stdin.write((json.dumps({"log": log}) + "\n").encode())
             proc.stdin.close()
+
+    def keep_logs(self, log_dir: str) -> list[str]:
+        """Copy each standby worker's output to LOG_DIR/standby-inc<I>-proc<P>.log."""
+        out = []
+        for pid, tmp in self.tmp_logs.items():
+            path = os.path.join(log_dir, f"standby-inc{self.spec['incarnation']}-proc{pid}.log")
+            with contextlib.suppress(OSError), open(tmp, "rb") as f, open(path, "ab") as g:
+                g.write(f.read())
+                out.append(path)
+        return out
 
     def close_files(self) -> None:
         for fd in self.ready_fds.values():

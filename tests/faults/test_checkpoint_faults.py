@@ -21,7 +21,7 @@ import pytest
 from jaxpar.checkpoint import CORRUPT_SUFFIX, TMP_SUFFIX
 from jaxpar.launch import EXIT_NAN, EXIT_PREEMPTED, EXIT_REPLICA
 from jaxpar.metrics import read_jsonl
-from tests.helpers import SMALL, events, losses, ok, run, start, train_cmd
+from tests.helpers import SMALL, assert_exact, events, losses, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +50,6 @@ def reference(ckpt_reference):
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert committed(ckpt_reference) == [10, 20, 30]
     return ckpt_reference, ref
-
-
-def assert_exact(run_dir, ref):
-    got = losses(run_dir)
-    assert sorted(got) == sorted(ref)
-    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
-    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
 
 
 def test_reference_saves_report_blocking_time(reference):

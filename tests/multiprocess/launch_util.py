@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from jaxpar.metrics import last_per_step, read_jsonl
-from tests.helpers import SMALL  # the supervisor does not care what it trains
+from jaxpar.metrics import read_jsonl
+from tests.helpers import SMALL, losses
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -161,8 +161,3 @@ def kill_workers(run_dir: Path) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return killed
-
-
-def losses(run_dir) -> dict[int, float]:
-    lines = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    return {s: m["loss"] for s, m in last_per_step(lines).items()}

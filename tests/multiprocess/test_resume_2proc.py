@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.checkpoint import EXIT_PREEMPTED
-from jaxpar.metrics import last_per_step, read_jsonl
+from tests.helpers import assert_exact, events, losses
 
 pytestmark = pytest.mark.slow
 
@@ -98,14 +98,6 @@ class Pair:
             time.sleep(0.2)
 
 
-def losses(run_dir) -> dict[int, float]:
-    return {s: m["loss"] for s, m in last_per_step(read_jsonl(f"{run_dir}/metrics.jsonl")).items()}
-
-
-def events(run_dir, name) -> list[dict]:
-    return [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e["event"] == name]
-
-
 def committed(run_dir) -> list[int]:
     path = f"{run_dir}/checkpoints"
     return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
@@ -131,13 +123,6 @@ def reference(tmp_path_factory, cache):
     (start,) = events(run_dir, "start")
     assert start["nproc"] == 2
     return ref
-
-
-def assert_exact(run_dir, ref):
-    got = losses(run_dir)
-    assert sorted(got) == sorted(ref)
-    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
-    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
 
 
 def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path, cache):

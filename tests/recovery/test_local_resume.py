@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from jaxpar import snapshot
-from tests.helpers import LOCAL_ENV, SMALL, events, losses, ok, run, train_cmd
+from tests.helpers import LOCAL_ENV, SMALL, assert_exact, events, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +25,6 @@ STEPS = 30
 
 def train(run_dir, faults=()):
     return run(train_cmd(run_dir, "--set", "ckpt.every=10", *SMALL, steps=STEPS, faults=faults))
-
-
-def assert_exact(run_dir, ref):
-    got = losses(run_dir)
-    assert sorted(got) == sorted(ref)
-    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
-    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
 
 
 def test_kill_at_random_step_resumes_from_local_tier_exactly(ckpt_reference, tmp_path):

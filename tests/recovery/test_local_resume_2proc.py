@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 from launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
 
 from jaxpar import snapshot  # noqa: E402
+from tests.helpers import assert_exact  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -43,13 +44,6 @@ def reference(tmp_path_factory) -> dict[int, float]:
     ref = losses(run.run_dir)
     assert sorted(ref) == list(range(1, STEPS + 1))
     return ref
-
-
-def assert_exact(run_dir, ref):
-    got = losses(run_dir)
-    assert sorted(got) == sorted(ref)
-    diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
-    assert not diff, f"losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
 
 
 def test_worker_killed_restores_from_local_tier(reference, tmp_path):

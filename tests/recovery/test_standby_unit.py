@@ -55,11 +55,20 @@ print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True
 """
 
 
-def _child(tmp_path, env_extra):
+# a worker with its own loop: its first RunDir is where it waits
+OWN_LOOP_CHILD = """
+import sys
+from jaxpar.metrics import RunDir
+RunDir(sys.argv[1]).event("start")
+print("wrote", flush=True)
+"""
+
+
+def _child(tmp_path, env_extra, code=STANDBY_CHILD, args=()):
     r, w = os.pipe()
     env = {**os.environ, "JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_FD": str(w), **env_extra}
     env.pop("JAXPAR_RUN_DIR", None)
-    p = subprocess.Popen([sys.executable, "-c", STANDBY_CHILD], env=env, stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, pass_fds=(w,))  # fmt: skip
     os.close(w)
     return p, r
@@ -114,3 +123,21 @@ def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path)
         assert hit  # what the read-only process compiled serves the next one
     finally:
         compile_cache.configure(None)
+
+
+def test_own_loop_waits_at_its_first_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    p, r = _child(tmp_path, {}, OWN_LOOP_CHILD, [str(run_dir)])
+    try:
+        assert os.read(r, 64) == b"ready\n"
+        assert not run_dir.exists()  # waiting: nothing written
+        log = tmp_path / "w.log"
+        p.stdin.write(f'{{"log": "{log}"}}\n'.encode())
+        p.stdin.close()
+        assert p.wait(timeout=120) == 0
+        assert log.read_text() == "wrote\n"
+        assert "start" in (run_dir / "events.jsonl").read_text()
+    finally:
+        os.close(r)
+        p.kill()
+        p.wait()

@@ -212,3 +212,20 @@ def test_heartbeat_on_a_full_disk_leaves_no_temporary_file(small_fs, monkeypatch
     assert e.value.errno == errno.ENOSPC
     assert os.listdir(run_dir / "heartbeats") == ["proc0.json"]
     assert launch.read_heartbeat(str(run_dir / "heartbeats" / "proc0.json"))["step"] == 1
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_anything_is_written(small_fs):
+    import jax.numpy as jnp
+
+    from jaxpar.checkpoint import Checkpointer
+
+    run = RunDir(str(small_fs / "run"))
+    ckpt = Checkpointer(run, every=1, keep=2, meta={"config_hash": "c"})
+    try:
+        with pytest.raises(OSError) as e:
+            ckpt.save(1, {"w": jnp.zeros((2 << 20,), jnp.float32)})  # 8 MiB on a 6 MiB disk
+        assert e.value.errno == errno.ENOSPC and e.value.filename == ckpt.directory
+        assert "needs about 10496 KiB" in str(e.value)  # 8 MiB x 1.25 + 256 KiB
+        assert os.listdir(ckpt.directory) == []  # nothing started, nothing to clean up
+    finally:
+        ckpt.close()

@@ -69,7 +69,7 @@ SLOW_STEPS, SLOW_S = 4, 4.0  # the standby job: time for its standby group to ge
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "train", "--recipe", recipe, "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "jaxpar.train", "--recipe", recipe, "--steps", str(steps)]
     cmd += ["--no-progress", "--set", f"ckpt.every={every}"]
     for o in overrides:
         cmd += ["--set", o]

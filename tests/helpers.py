@@ -60,22 +60,25 @@ def train_cmd(run_dir, *args: str, steps: int | None = None, faults=()) -> list[
 
 
 def start(cmd: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """Start `cmd` in the checkout in its own session (output discarded unless redirected)."""
+    """Start `cmd` in the checkout (or `cwd=`) in its own session (output discarded unless
+    redirected)."""
+    popen.setdefault("cwd", REPO)
     popen.setdefault("stdout", subprocess.DEVNULL)
     popen.setdefault("stderr", subprocess.DEVNULL)
     env = cpu_env() if env is None else env
-    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **popen)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
 
 
 def run(
-    cmd: list[str], env: dict | None = None, timeout: float = 600, merge: bool = False
+    cmd: list[str], env: dict | None = None, timeout: float = 600, merge: bool = False, cwd=REPO
 ) -> subprocess.CompletedProcess:
-    """Run `cmd` to its end (see `start`); stdout and stderr as text, stderr in stdout if `merge`.
+    """Run `cmd` to its end (see `start`) in `cwd`; stdout and stderr as text, stderr in stdout
+    if `merge`.
 
     On timeout the process group is killed and an AssertionError carries the output's tail.
     """
     stderr = subprocess.STDOUT if merge else subprocess.PIPE
-    proc = start(cmd, env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = start(cmd, env, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

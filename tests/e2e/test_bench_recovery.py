@@ -27,7 +27,8 @@ def test_bench_recovery_quick(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    text = ok(run(args, env=cpu_env(devices=None), timeout=1700, merge=True)).stdout
+    # from outside the checkout, as an installed user runs it (its jobs must not need `train`)
+    text = ok(run(args, env=cpu_env(devices=None), timeout=1700, merge=True, cwd=tmp_path)).stdout
     assert "| restart path |" in text and "| failure every |" in text
     with open(os.path.join(tmp_path, "recovery.json")) as f:
         r = json.load(f)

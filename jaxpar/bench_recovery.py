@@ -266,7 +266,10 @@ def _table(rec: list[dict], good: list[dict]) -> str:
 def run(b: Bench) -> dict:
     p = QUICK if b.quick else FULL
     recipe = b.recipe
-    overrides = list(b.overrides) + (SMALL if b.quick and b.default_recipe else [])
+    # quick: the small model's steps take milliseconds, so an asynchronous save could still be
+    # in flight at the kill (a restart from step 0); quick jobs save synchronously.
+    quick = [*SMALL, "ckpt.use_async=false"] if b.quick and b.default_recipe else []
+    overrides = list(b.overrides) + quick
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
         rec = [measure_recovery(m, recipe, p, overrides, root) for m in MODES]

@@ -2,8 +2,8 @@
 
     jaxpar bench recovery [--quick] [--recipe gpt_tiny]
 
-Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices (2 processes with --quick),
-real SIGKILLs:
+Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices (--quick: 2 processes, gpt_tiny
+made smaller, synchronous saves so that a save is committed before the kill), real SIGKILLs:
 
 1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
    faults, each restarting the group; the goodput ledger splits each incident into detect /

@@ -20,6 +20,12 @@ HMAC-SHA256, under a per-user key kept outside the run directory
 deserialised only when the MAC matches and neither it nor its folder is writable by other users
 or owned by someone else; otherwise the program is compiled again (and the entry rewritten).
 Processes on several hosts sharing one run directory need the same key file to share entries.
+
+A second, shared tier (`run.compile_cache_dir`, else $JAXPAR_COMPILE_CACHE_DIR) serves runs that
+compile the same programs (a sweep of one model, a test suite): a program missing from the run
+directory is looked up there, and what is compiled is written to both. An entry found there is
+copied into RUN_DIR/compiled, so a restart of this run never depends on the shared folder. It is
+authenticated the same way, and kept to its newest `KEEP_SHARED` entries per process index.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import jax
 
 _state: dict[str, Any] = {
     "dir": None,
+    "shared": None,
     "stats": {"hits": 0, "misses": 0, "load_s": 0.0},
     "jax_hits": 0,  # executables jax loaded from its own persistent cache
 }
@@ -48,16 +55,27 @@ _state: dict[str, Any] = {
 # when run (CPU, jax 0.10: "NOT_FOUND: Function ... not found"): such programs are not stored.
 JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 KEEP = 32  # newest entries kept per directory (other layouts after a shrink add entries)
+KEEP_SHARED = 512  # newest entries kept per process index in the shared folder
+ENV_SHARED = "JAXPAR_COMPILE_CACHE_DIR"
 
 
-def configure(directory: str | None, readonly: bool = False) -> None:
+def configure(directory: str | None, readonly: bool = False, shared: str | None = None) -> None:
     """Cache compiled programs under `directory` (None: off). Call before compiling.
 
     readonly: entries are loaded but nothing is written (a standby worker before "go"); what
-    would have been stored is kept and stored by the next `configure` of the same directory."""
+    would have been stored is kept and stored by the next `configure` of the same directory.
+    shared: a folder shared by runs, looked up after `directory` (None or "": none)."""
+    _state["shared"] = (shared or None) if directory else None
     if directory:
         if not readonly:
             os.makedirs(directory, mode=0o755, exist_ok=True)
+            if _state["shared"]:
+                try:
+                    os.makedirs(_state["shared"], mode=0o700, exist_ok=True)
+                except OSError as e:  # e.g. a file there, no permission: the run dir alone
+                    warnings.warn(f"compile cache: not using {_state['shared']} ({e})",
+                                  stacklevel=2)  # fmt: skip
+                    _state["shared"] = None
         if not _state.get("listening"):
             jax.monitoring.register_event_listener(_count_jax_cache_hits)
             _state["listening"] = True
@@ -80,6 +98,11 @@ def _count_jax_cache_hits(event: str, **_: Any) -> None:
 
 def directory() -> str | None:
     return _state["dir"]
+
+
+def shared_directory(configured: str) -> str | None:
+    """The shared folder: `run.compile_cache_dir`, else $JAXPAR_COMPILE_CACHE_DIR, else none."""
+    return configured or os.environ.get(ENV_SHARED) or None
 
 
 def stats() -> dict[str, Any]:
@@ -109,8 +132,8 @@ def _key(program_parts: tuple) -> str:
     return h.hexdigest()[:32]
 
 
-def _path(name: str, key: str) -> str:
-    return os.path.join(_state["dir"], f"{name}-{key}-p{jax.process_index()}.bin")
+def _path(name: str, key: str, folder: str | None = None) -> str:
+    return os.path.join(folder or _state["dir"], f"{name}-{key}-p{jax.process_index()}.bin")
 
 
 MAGIC = b"JAXPARX1"  # file format: MAGIC, 32-byte HMAC-SHA256, pickled payload
@@ -178,15 +201,21 @@ def _load(path: str):
     ):
         raise Untrusted("not written by this user's jaxpar (HMAC mismatch)")
     blob, in_tree, out_tree = pickle.loads(payload)  # authenticated above
-    return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+    return serialize_executable.deserialize_and_load(blob, in_tree, out_tree), data
 
 
-def _store(path: str, compiled) -> None:
+def _store(path: str, compiled) -> bytes:
     from jax.experimental import serialize_executable
 
     blob, in_tree, out_tree = serialize_executable.serialize(compiled)
     payload = pickle.dumps((blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
     data = MAGIC + _mac(_secret(), os.path.basename(path), payload) + payload
+    _write(path, data, KEEP)
+    return data
+
+
+def _write(path: str, data: bytes, keep: int) -> None:
+    """Write a whole entry (the MAC covers its file name, so the same bytes serve both tiers)."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
@@ -196,18 +225,25 @@ def _store(path: str, compiled) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)  # a full disk leaves no partial file behind
         raise
-    _prune(os.path.dirname(path))
+    _prune(os.path.dirname(path), keep)
 
 
-def _prune(directory: str) -> None:
+def _prune(directory: str, keep: int = KEEP) -> None:
     mine = f"-p{jax.process_index()}.bin"
     entries = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(mine)]
-    if len(entries) <= KEEP:
+    if len(entries) <= keep:
         return
-    entries.sort(key=os.path.getmtime)
-    for old in entries[:-KEEP]:
+    entries.sort(key=_mtime)
+    for old in entries[:-keep]:
         with contextlib.suppress(OSError):
             os.remove(old)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # removed meanwhile by another process pruning the shared folder
+        return 0.0
 
 
 def compile(lowered: jax.stages.Lowered, name: str):  # noqa: A001 - mirrors Lowered.compile
@@ -238,32 +274,61 @@ def _cached(name: str, key: str, build: Callable[[], Any]):
     """Serialising needs a compiled program with no host callbacks; one that cannot be
     serialised is simply not cached."""
     path = _path(name, key)
-    if os.path.exists(path):
-        t0 = time.time()
-        try:
-            compiled = _load(path)
-        except Exception as e:  # a torn, stale, foreign or planted file: compile afresh
-            warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=3)
-            _state["stats"]["rejected"] = _state["stats"].get("rejected", 0) + 1
-            if not _state.get("readonly"):
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-        else:
-            if not _state.get("readonly"):
-                os.utime(path)  # recently used: kept by _prune
-            _state["stats"]["hits"] += 1
-            _state["stats"]["load_s"] += time.time() - t0
-            return compiled, True
+    readonly = _state.get("readonly")
+    found = _lookup(path, drop=not readonly)
+    shared = _state["shared"] and _path(name, key, _state["shared"])
+    if found is None and shared:
+        found = _lookup(shared, drop=not readonly)
+        if found is not None:
+            _state["stats"]["shared_hits"] = _state["stats"].get("shared_hits", 0) + 1
+            if not readonly:
+                _try_write(name, path, found[1], KEEP)  # this run's restarts need only its own
+    if found is not None:
+        return found[0], True
     jax_hits = _state["jax_hits"]
     compiled = build()
     _state["stats"]["misses"] += 1
     if _state["jax_hits"] != jax_hits:  # served by jax's own cache (or one compiled alongside)
         return compiled, False
-    if _state.get("readonly"):
+    if readonly:
         _state.setdefault("pending", []).append((path, compiled))
         return compiled, False
     try:
-        _store(path, compiled)
+        data = _store(path, compiled)
     except Exception as e:  # e.g. host callbacks, a full disk: run uncached
         warnings.warn(f"compile cache: not caching {name} ({type(e).__name__}: {e})", stacklevel=3)
+    else:
+        if shared:
+            _try_write(name, shared, data, KEEP_SHARED)
     return compiled, False
+
+
+def _lookup(path: str, drop: bool):
+    """(compiled, file bytes) from a verified entry, else None; a file that fails verification
+    or loading is counted as rejected and, when `drop`, removed."""
+    if not os.path.exists(path):
+        return None
+    t0 = time.time()
+    try:
+        found = _load(path)
+    except Exception as e:  # a torn, stale, foreign or planted file: compile afresh
+        warnings.warn(f"compile cache: dropping {path} ({type(e).__name__}: {e})", stacklevel=4)
+        _state["stats"]["rejected"] = _state["stats"].get("rejected", 0) + 1
+        if drop:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        return None
+    if drop:
+        with contextlib.suppress(OSError):  # pruned meanwhile by another process
+            os.utime(path)  # recently used: kept by _prune
+    _state["stats"]["hits"] += 1
+    _state["stats"]["load_s"] += time.time() - t0
+    return found
+
+
+def _try_write(name: str, path: str, data: bytes, keep: int) -> None:
+    try:
+        _write(path, data, keep)
+    except OSError as e:  # a full or read-only folder: the program still runs
+        warnings.warn(f"compile cache: not caching {name} in {os.path.dirname(path)} ({e})",
+                      stacklevel=4)  # fmt: skip

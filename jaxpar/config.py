@@ -81,6 +81,9 @@ class RunConfig:
     max_wall_s: float = 0.0  # > 0: save and exit cleanly after this many seconds
     # keep each process's compiled programs in RUN_DIR/compiled, so a restart skips compiling
     compile_cache: bool = True
+    # a second compiled-program cache shared by runs (e.g. a sweep of one model); "" =
+    # $JAXPAR_COMPILE_CACHE_DIR, else none. Used only with compile_cache on.
+    compile_cache_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -451,11 +451,15 @@ def run(
             lock.release()
 
 
+def _shared_cache(cfg: TrainConfig) -> str | None:
+    return compile_cache.shared_directory(cfg.run.compile_cache_dir)
+
+
 def _standby_ready(s: Session) -> tuple:
     """A standby worker (jaxpar/standby.py): load or compile the train step without writing the
     run directory, report ready and wait for "go". Returns (compiled, seconds)."""
     directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
-    compile_cache.configure(directory, readonly=True)
+    compile_cache.configure(directory, readonly=True, shared=_shared_cache(s.cfg))
     early = compile_step(s)
     standby.wait_for_go()  # returns on "go"; a released standby exits here
     return early
@@ -466,7 +470,9 @@ def _run_locked(
 ) -> dict:
     cfg = s.cfg
     open_run_dir(s)
-    compile_cache.configure(s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None)
+    compile_cache.configure(
+        s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None, shared=_shared_cache(cfg)
+    )
     if s.run.is_writer:
         for name, bad in s.run.unreadable_lines().items():
             say(f"{s.run.file(name)}: skipped {bad} unreadable line(s) (torn or not JSON)")

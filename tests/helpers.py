@@ -35,7 +35,8 @@ def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
     (None: no device count, as `jaxpar launch` workers get) and single-threaded CPU ops.
 
     cache: use the session's persistent compilation cache, every program cached however fast it
-    compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, ..._MIN_ENTRY_SIZE_BYTES=-1).
+    compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, ..._MIN_ENTRY_SIZE_BYTES=-1), and
+    jaxpar's shared compiled-program tier next to it (JAXPAR_COMPILE_CACHE_DIR).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
@@ -46,6 +47,9 @@ def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
         env["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_ENV]
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+        # jax's cache serves process 0 of a multi-process job only; jaxpar's shared tier serves
+        # every process (and what jax's cache served first is compiled again by the others)
+        env["JAXPAR_COMPILE_CACHE_DIR"] = os.environ[CACHE_ENV] + "-jaxpar"
     return env
 
 

@@ -56,7 +56,7 @@ def _bad_values(typ, key: str) -> list[str]:
     if typ is float:
         return ["abc", "nan", "inf", "-inf", "-1e9", "1e999", ""]
     if typ is str:
-        if key in ("name", "data.path", "ckpt.local_dir"):
+        if key in ("name", "data.path", "ckpt.local_dir", "run.compile_cache_dir"):
             return []  # free text (a name; folders only some settings read)
         return ["bogus-value"]
     if typing.get_origin(typ) is tuple:

@@ -86,6 +86,46 @@ def test_off_writes_nothing(tmp_path, mesh):
     assert not hit and not any(tmp_path.iterdir())
 
 
+def test_shared_tier_serves_another_run_and_copies_the_entry_in(tmp_path, mesh):
+    shared = tmp_path / "shared"
+    try:
+        compile_cache.configure(str(tmp_path / "a"), shared=str(shared))
+        first, hit1 = compile_cache.compile(_lowered(mesh)[0], "f")
+        compile_cache.configure(str(tmp_path / "b"), shared=str(shared))
+        again, hit2 = compile_cache.compile(_lowered(mesh)[0], "f")
+        assert (hit1, hit2) == (False, True)
+        (name,) = os.listdir(shared)
+        # the second run has its own copy: its restarts never need the shared folder
+        assert (tmp_path / "b" / name).read_bytes() == (shared / name).read_bytes()
+        assert compile_cache.stats()["shared_hits"] >= 1
+        x, w = _inputs(mesh, _lowered(mesh)[1])
+        np.testing.assert_array_equal(np.asarray(first(x, w)), np.asarray(again(x, w)))
+        # a tampered shared entry is never loaded: compiled again and replaced
+        data = bytearray((shared / name).read_bytes())
+        data[-1] ^= 1
+        (shared / name).write_bytes(bytes(data))
+        compile_cache.configure(str(tmp_path / "c"), shared=str(shared))
+        with pytest.warns(UserWarning, match="dropping"):
+            _, hit3 = compile_cache.compile(_lowered(mesh)[0], "f")
+        assert not hit3 and (shared / name).read_bytes() != bytes(data)
+        # a shared folder that cannot be made: a warning, and the run directory alone
+        (tmp_path / "file").write_text("")
+        with pytest.warns(UserWarning, match="not using"):
+            compile_cache.configure(str(tmp_path / "d"), shared=str(tmp_path / "file"))
+        _, hit4 = compile_cache.compile(_lowered(mesh)[0], "f")
+        assert not hit4 and os.listdir(tmp_path / "d")
+    finally:
+        compile_cache.configure(None)
+
+
+def test_shared_tier_comes_from_the_config_else_the_environment(monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV_SHARED, "/from/env")
+    assert compile_cache.shared_directory("") == "/from/env"
+    assert compile_cache.shared_directory("/from/config") == "/from/config"
+    monkeypatch.delenv(compile_cache.ENV_SHARED)
+    assert compile_cache.shared_directory("") is None
+
+
 def test_spare_runs_only_commands_equal_to_a_cold_start():
     me = [sys.executable, "-m", "train", "--steps", "3"]
     assert spare.module_of(me) == "train"

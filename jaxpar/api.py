@@ -324,6 +324,10 @@ def _run_worker(fn: Callable[[], int | None]) -> int:
                     f"there and rerun the same command (committed checkpoints are intact)",
                     file=sys.stderr,
                 )
+                if launch.distributed_active():  # orbax's threads may wait at a barrier for
+                    sys.stdout.flush()  # the failed save: exit now, the supervisor stops the rest
+                    sys.stderr.flush()
+                    os._exit(launch.EXIT_NO_SPACE)
                 return launch.EXIT_NO_SPACE
             if isinstance(e, CheckpointMismatch | ValueError):  # also RunDirLocked, bad config
                 print(f"error: {e}", file=sys.stderr)

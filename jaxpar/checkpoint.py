@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from jaxpar import compile_cache, orbax_loop, runlog
+from jaxpar import compile_cache, orbax_loop, runlog, save_watch
 from jaxpar.launch import EXIT_PREEMPTED as EXIT_PREEMPTED  # the exit after a preemption save
 from jaxpar.mesh import REPLICA_AXES
 from jaxpar.metrics import RunDir, write_json
@@ -109,6 +109,7 @@ class _DiskFullLogFilter(logging.Filter):
 
 logging.getLogger("absl").addFilter(_DiskFullLogFilter())
 orbax_loop.install()  # a failed save or restore: no "Event loop is closed" tracebacks
+save_watch.install()  # a write that failed here is raised at once, not after orbax's barriers
 
 
 # ---- hashing ----------------------------------------------------------------------------------
@@ -345,6 +346,7 @@ class Checkpointer:
         self._pending: tuple[int, _Hashes] | None = None  # the save orbax is finishing
         self._own_steps: set[int] = set()  # restored or saved by this incarnation
         self._sigterm = False
+        self._failed = False  # a save failed: orbax's threads may wait at a barrier for good
         self.uncommitted = self._uncommitted_dirs()
         # Always orbax's async checkpointer (the commit hook needs it); synchronous saves wait.
         options = ocp.CheckpointManagerOptions(
@@ -461,18 +463,26 @@ class Checkpointer:
             )
 
     def wait(self) -> None:
-        """Wait for the save in flight; its error (e.g. a full disk) is raised here."""
-        self._failing(self.manager.wait_until_finished)
+        """Wait for the save in flight; its error (e.g. a full disk) is raised here, as soon as
+        this process's write failed (the others' then wait at orbax's barrier until stopped)."""
+        self._failing(lambda: save_watch.wait(self.manager.wait_until_finished, self.directory))
 
     def check(self) -> None:
-        """Raise the error of a finished background save now (called every step), so a save
-        that cannot finish stops the run at once instead of at the next save."""
-        self._failing(self.manager.check_for_errors)
+        """Raise the error of a failed background save now (called every step), so a save that
+        cannot finish stops the run at once instead of at the next save."""
+        self._failing(self._check_now)
+
+    def _check_now(self) -> None:
+        error = save_watch.failed(self.directory)
+        if error is not None:
+            raise error
+        self.manager.check_for_errors()
 
     def _failing(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except Exception as e:
+            self._failed = True
             if is_disk_full(e) and self.run.is_writer:
                 self.discard_uncommitted()  # free the space the failed save took
             raise
@@ -484,8 +494,9 @@ class Checkpointer:
 
     def close(self) -> None:
         try:
-            self.wait()
-            self.manager.close()
+            if not self._failed:  # else orbax's close would wait at the failed save's barrier
+                self.wait()
+                self.manager.close()
         finally:
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)

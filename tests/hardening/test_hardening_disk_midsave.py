@@ -1,0 +1,100 @@
+"""`jaxpar launch` when another writer fills the run directory's disk in the middle of a save."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import pytest
+
+from jaxpar.checkpoint import TMP_SUFFIX
+from tests.multiprocess.launch_util import Launch, train_cmd
+
+pytestmark = pytest.mark.slow
+
+NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2"]
+FILL_AT = 3  # the save of this step is the one the other writer breaks
+
+
+class OtherWriter(threading.Thread):
+    """Once the save of step `at` (or later) has its temporary folder — jaxpar's free-space check
+    passed — fills the filesystem up to `leave` bytes: room for process 1's few KiB of metadata,
+    not for process 0's array data (replica 0 writes the replicated arrays), so the write fails
+    on one process only and the other waits at orbax's barrier."""
+
+    def __init__(self, ckpt_dir: str, at: int, leave: int, path: str):
+        super().__init__(name="other-writer", daemon=True)
+        self.ckpt_dir, self.at, self.leave, self.path = ckpt_dir, at, leave, path
+        self.stop = threading.Event()
+        self.filled: str | None = None  # the temporary folder it saw
+
+    def run(self) -> None:
+        while not self.stop.wait(0.001):
+            try:
+                names = os.listdir(self.ckpt_dir)
+            except OSError:
+                continue
+            saving = [n for n in names if TMP_SUFFIX in n and n.split(".")[0].isdigit()]
+            saving = [n for n in saving if int(n.split(".")[0]) >= self.at]
+            if saving:
+                st = os.statvfs(self.ckpt_dir)
+                with open(self.path, "wb") as f:
+                    f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - self.leave))
+                self.filled = saving[0]
+                return
+
+
+def committed(run_dir) -> list[int]:
+    d = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def test_launch_disk_filled_mid_save_stops_with_one_line(small_fs, tmp_path):
+    """The disk fills between the free-space check and the end of a save, so process 0's write
+    fails and process 1's succeeds: process 0 exits 46 at once with one line naming ENOSPC and
+    the directory, and the supervisor stops the group — not a wait at orbax's barrier until the
+    start-up timeout (600 s), then a "hang". The previous checkpoint stays committed, no
+    temporary folder or 0-byte file is left, and a rerun after freeing the space resumes."""
+    run_dir = small_fs / "run"
+    filler = small_fs / "other-writer"
+    writer = OtherWriter(str(run_dir / "checkpoints"), FILL_AT, 192 << 10, str(filler))
+    writer.start()
+    run = Launch(run_dir, NPROC, train_cmd(12, 1, "--set", "ckpt.keep=1"), log_dir=tmp_path)
+    try:
+        code = run.wait(400)
+    finally:
+        writer.stop.set()
+        run.close()
+        writer.join(timeout=30)
+    out = run.output()
+    assert writer.filled, f"no save of step >= {FILL_AT} began:\n{out}"
+    assert code != 0, out
+    lines = [x for x in out.splitlines() if "ENOSPC" in x]
+    assert len(lines) == 1 and str(run_dir) in lines[0], out
+    assert "no space left on device (ENOSPC)" in lines[0], out
+    assert [(f["cause"], f["code"]) for f in run.events("failure")] == [("exit", 46)], out
+    (gave_up,) = run.events("gave_up")
+    assert "ran out of disk space" in gave_up["reason"], gave_up
+    assert not run.events("restart") and not run.events("preempted"), out
+    assert "Traceback" not in out, out
+    steps = committed(run_dir)
+    broken = int(writer.filled.split(".")[0])  # the save the other writer broke midway
+    assert steps and steps[-1] < broken, (steps, writer.filled, out)
+    leftovers = [
+        p for p in glob.glob(f"{run_dir}/**/*", recursive=True)
+        if "tmp" in os.path.basename(p) and (os.path.isdir(p) or os.path.getsize(p) == 0)
+    ]  # fmt: skip
+    assert not leftovers, leftovers
+    # the other writer's file goes away; the same run directory resumes from the checkpoint
+    os.remove(filler)
+    t0 = time.time()
+    again = Launch(run_dir, NPROC, train_cmd(steps[-1] + 1, 0), log_dir=tmp_path, name="again")
+    try:
+        assert again.wait(400) == 0, again.output()
+    finally:
+        again.close()
+    restores = [e for e in again.events("restore") if e["time"] >= t0]
+    assert restores and restores[-1]["step"] == steps[-1], again.output()
+    assert [e["step"] for e in again.events("done") if e["time"] >= t0] == [steps[-1] + 1]

@@ -8,9 +8,10 @@ and can set XLA flags before jax's first use.
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from jaxpar import _layout
+from jaxpar import _layout, _startup
 
 _layout.install(__path__[0])  # a source checkout: serve models/, meshes/, train/ as jaxpar.*
+_startup.install()  # flax's and treescope's import-time IPython probes answered without IPython
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,20 @@ def test_import_jaxpar_and_supervisor_do_not_import_jax():
     assert out.stdout.strip() == jaxpar.__version__
 
 
+def test_flax_does_not_import_ipython_in_a_jaxpar_process_but_users_still_can():
+    """flax.nnx and treescope probe for IPython by importing it (about a second where Jupyter is
+    installed); in a process that has not loaded IPython the answer is "no" without the import."""
+    code = (
+        "import sys, jaxpar, flax.nnx, treescope; from flax.nnx import reprlib, visualization; "
+        "assert 'IPython' not in sys.modules, 'IPython imported'; "
+        "assert visualization.in_ipython is False; "
+        "import IPython; from IPython import get_ipython; assert get_ipython() is None; "
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_every_exported_name_resolves():
     for name in jaxpar.__all__:
         assert getattr(jaxpar, name) is not None, name

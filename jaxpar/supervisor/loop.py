@@ -161,7 +161,7 @@ class Supervisor:
             if reason is not None:
                 self.event(S.GAVE_UP, reason=reason)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
-                return "gave_up", 1
+                return "gave_up", L.EXIT_NO_SPACE if out.code == L.EXIT_NO_SPACE else 1
             streak += 1
             delay = backoff_s(streak, self.opts.backoff_base_s, self.opts.backoff_cap_s)
             self.counted += 1

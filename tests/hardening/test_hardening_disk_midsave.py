@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import glob
 import os
 import threading
 import time
 
 import pytest
+from orbax.checkpoint._src.checkpointers import async_checkpointer
 
-from jaxpar.checkpoint import TMP_SUFFIX
+from jaxpar import save_watch
+from jaxpar.checkpoint import TMP_SUFFIX, is_disk_full
 from tests.multiprocess.launch_util import Launch, train_cmd
-
-pytestmark = pytest.mark.slow
 
 NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2"]
 FILL_AT = 3  # the save of this step is the one the other writer breaks
@@ -51,6 +53,32 @@ def committed(run_dir) -> list[int]:
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
+def test_failed_write_is_raised_while_orbax_still_waits(tmp_path):
+    """Orbax's own background wait, given a write that failed with ENOSPC, records the error for
+    the checkpoints under its folder only; `wait` raises it although the wait it wraps (orbax's
+    finalize thread at a barrier, here a 30 s wait) has not returned."""
+    save_watch.install()
+    write = concurrent.futures.Future()
+    write.set_exception(OSError(errno.ENOSPC, "No space left on device", "shard"))
+    step_dir = tmp_path / "checkpoints" / f"3{TMP_SUFFIX}"
+    with pytest.raises(OSError):
+        async_checkpointer._background_wait_for_commit_futures(
+            step_dir, [write], lambda: None, barrier_sync_key_prefix="t",
+            sync_fn=lambda key, ms: None, timeout_secs=5, primary_host=0,
+        )  # fmt: skip
+    assert save_watch.failed(str(tmp_path / "other")) is None
+    barrier = threading.Event()
+    try:
+        with pytest.raises(OSError) as got:
+            save_watch.wait(lambda: barrier.wait(30), str(tmp_path / "checkpoints"))
+    finally:
+        barrier.set()
+    assert is_disk_full(got.value)
+    assert save_watch.failed(str(tmp_path / "checkpoints")) is None  # raised once
+    save_watch.wait(lambda: None, str(tmp_path / "checkpoints"))  # nothing in flight: returns
+
+
+@pytest.mark.slow
 def test_launch_disk_filled_mid_save_stops_with_one_line(small_fs, tmp_path):
     """The disk fills between the free-space check and the end of a save, so process 0's write
     fails and process 1's succeeds: process 0 exits 46 at once with one line naming ENOSPC and

@@ -31,6 +31,7 @@ import glob
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ class Faults:
         self.node: tuple[int, list[list[int]], str] | None = None
         # Set by the loop's checkpointer: waits for an in-flight save (so `corrupt` sees it).
         self.wait_for_saves: Callable[[], None] | None = None
+        self.wait_for_snapshot: Callable[[], None] | None = None  # this process's local tier
 
     def _take(self, kind: str, step: int) -> FaultSpec | None:
         for s in self.specs:
@@ -213,6 +215,10 @@ class Faults:
         self.specs.remove(spec)
         self.run.event(W.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
                        process=self.process, step=at, node=node)  # fmt: skip
+        if self.wait_for_snapshot is not None:  # else its writer thread could write the tier
+            waiter = threading.Thread(target=self.wait_for_snapshot, daemon=True)  # again
+            waiter.start()  # after it is deleted
+            waiter.join(timeout=60)
         lose_host(tier_dir)
 
     def before_snapshot(self, step: int) -> None:

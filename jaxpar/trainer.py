@@ -512,6 +512,7 @@ def _run_locked(
             copy_program.result()
             s.run.event(W.LOCAL_TIER, **tier.describe())
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
+        inject.wait_for_snapshot = tier.wait if tier else None
         launch.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         try:

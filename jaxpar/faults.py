@@ -215,9 +215,11 @@ class Faults:
         self.specs.remove(spec)
         self.run.event(W.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
                        process=self.process, step=at, node=node)  # fmt: skip
-        if self.wait_for_snapshot is not None:  # else its writer thread could write the tier
-            waiter = threading.Thread(target=self.wait_for_snapshot, daemon=True)  # again
-            waiter.start()  # after it is deleted
+        if self.wait_for_snapshot is not None:
+            # this process's snapshot writer could otherwise write the tier again after it is
+            # deleted; bounded, in case the writer itself is stuck
+            waiter = threading.Thread(target=self.wait_for_snapshot, daemon=True)
+            waiter.start()
             waiter.join(timeout=60)
         lose_host(tier_dir)
 

@@ -44,6 +44,7 @@ class Bench:
     out_dir: str = "bench-results"
     recipe: str = DEFAULT_RECIPE  # as given with --recipe (suites that start `python -m train`)
     overrides: tuple[str, ...] = ()  # as given with --set
+    paths: tuple[str, ...] = ()  # `bench recovery --paths`: the restart paths measured (all)
     layout: Callable[[str], Preset] | None = field(default=None, repr=False)
 
     @classmethod

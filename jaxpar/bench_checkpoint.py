@@ -6,6 +6,10 @@
 2. Throughput: the same compiled train step in blocks of N steps without a save and with one
    async save (waited for at the block's end, so all its work is counted), alternated ABBA so
    load drift hits both alike: tokens/s with a save every N steps vs none.
+3. The local snapshot tier's price in steady state: the same blocks without snapshots and with
+   one snapshot of the whole state after every step (`ckpt.local_every=1`: the on-device copy,
+   then the background write to node-local RAM; the block ends once its last snapshot is
+   committed), ABBA: step time with the tier on / off.
 
 The recipe is --recipe's (global batch 8), on all devices along `data`. The full benchmark of
 the default recipe scales it to d_model=512, d_mlp=2048 (~12.7M parameters, a ~150 MB state with
@@ -120,6 +124,52 @@ def measure_throughput(s, state, rounds: int, every: int) -> tuple[dict, dict]:
     return result, state
 
 
+def measure_local_tier(s, state, rounds: int, every: int) -> tuple[dict, dict]:
+    """Block timing as in measure_throughput: blocks of `every` steps without the
+    local tier and with a snapshot offered after each step, ABBA over `rounds` pairs; each
+    "with" block waits for its last snapshot's commit, so every write is counted."""
+    from jaxpar import snapshot, trainer
+    from jaxpar.metrics import RunDir
+
+    compiled, _ = trainer.compile_step(s)
+    one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
+    run = RunDir(os.path.join(s.run.path, "local-tier"), incarnation=0)
+    os.makedirs(run.path, exist_ok=True)
+    tier = snapshot.LocalTier(run, s.program.abstract_state, every=1,
+                              root=snapshot.default_root(s.cfg.ckpt.local_dir),
+                              binding={"bench": "checkpoint"})  # fmt: skip
+    tier.warm_up()
+    seconds = {"off": 0.0, "on": 0.0}
+    step = 1
+    try:
+        tier.offer(step, state)  # the writer thread's start and first write outside timing
+        tier.wait()
+        for r in range(rounds):
+            for kind in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                t0 = time.time()
+                for _ in range(every):
+                    state, m = compiled(state, trainer.device_batch(s, step), one)
+                    jax.device_get(m["loss"])
+                    step += 1
+                    if kind == "on":
+                        tier.offer(step, state)
+                tier.wait()
+                seconds[kind] += time.time() - t0
+        stats = vars(tier.stats)
+    finally:
+        tier.close(complete=True)  # removes this benchmark's snapshots from RAM
+    steps = rounds * every
+    result = {
+        "local_tier_bytes_per_process": tier.nbytes,
+        "local_tier_snapshots": stats["snapshots"],
+        "local_tier_dir": tier.node,
+        "step_s_local_tier_off": seconds["off"] / steps,
+        "step_s_local_tier_on": seconds["on"] / steps,
+        "local_tier_step_ratio": seconds["on"] / seconds["off"],
+    }
+    return result, state
+
+
 def report(r: dict) -> str:
     rows = [
         ("state", f"{r['state_mb']:.1f} MB on {r['devices']} devices ({r['mesh']})"),
@@ -133,6 +183,10 @@ def report(r: dict) -> str:
             f"{r['tokens_per_s_with_saves']:,.0f}",
         ),
         ("throughput cost of saving", f"{r['throughput_cost'] * 100:.1f}%"),
+        ("step time, no local snapshots", f"{r['step_s_local_tier_off'] * 1e3:.1f} ms"),
+        (f"step time, a local snapshot every step ({r['local_tier_bytes_per_process'] / 2**20:.1f}"
+         " MB)", f"{r['step_s_local_tier_on'] * 1e3:.1f} ms"),  # fmt: skip
+        ("local tier on / off", f"{r['local_tier_step_ratio']:.3f}x"),
     ]
     return table(["checkpoint", "value"], [list(r) for r in rows])
 
@@ -142,7 +196,7 @@ def run(b: Bench) -> dict:
     plan = QUICK if b.quick else FULL
     overrides = plan["overrides"] + (SCALE_UP if b.default_recipe and not b.quick else [])
     work = b.path("checkpoint-bench")
-    s = _session(b, overrides, 2 * plan["rounds"] * plan["every"] + 1, work)
+    s = _session(b, overrides, 4 * plan["rounds"] * plan["every"] + 2, work)
     state = s.program.init()
     jax.block_until_ready(state)
     result = {
@@ -159,6 +213,8 @@ def run(b: Bench) -> dict:
     result.update(measure_blocking(s, state, plan["saves"]))
     throughput, state = measure_throughput(s, state, plan["rounds"], plan["every"])
     result.update(throughput)
+    local, state = measure_local_tier(s, state, plan["rounds"], plan["every"])
+    result.update(local)
     shutil.rmtree(work, ignore_errors=True)  # checkpoints of a benchmark are not kept
     if jax.process_index() == 0:
         b.write("checkpoint", result, report(result))

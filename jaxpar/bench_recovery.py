@@ -1,6 +1,6 @@
 """`jaxpar bench recovery`: how long a restart takes, and how much work survives repeated failures.
 
-    jaxpar bench recovery [--quick] [--recipe gpt_tiny]
+    jaxpar bench recovery [--quick] [--recipe gpt_tiny] [--paths standby,standby-hang]
 
 Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices (--quick: 2 processes, gpt_tiny
 made smaller, synchronous saves so that a save is committed before the kill), real SIGKILLs:
@@ -8,18 +8,23 @@ made smaller, synchronous saves so that a save is committed before the kill), re
 1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
    faults, each restarting the group; the goodput ledger splits each incident into detect /
    stop / restart / init / restore / compile / first step (docs/design.md, "Recovery time"), and
-   the steps lost per failure are the steps logged before it minus the step restored. Three
+   the steps lost per failure are the steps logged before it minus the step restored. The
    restart paths side by side in one benchmark: `local` (pre-started spare workers, compiled
    programs kept in the run directory, restore from the local snapshot tier taken every step),
    `persistent` (the same, restoring from the persistent checkpoint: `ckpt.local_every=0`) and
    `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier), and `standby`
-   (`--standby`: the next group built ahead, up to its loaded step, local tier). A standby group
-   is built once its group has compiled; so that it is ready before each kill, process 0 of the
+   (`--standby`: the next group built ahead, up to its loaded step, local tier), and
+   `standby-hang` (the same with `--hang-timeout 8`, each failure a `hang@S` fault: a worker
+   that stops making progress, detected by its heartbeats). A standby group
+   is built once its group has compiled and completed a step; so that it is ready before each
+   kill, process 0 of the
    standby job sleeps SLOW_S in each of the SLOW_STEPS steps before a kill (`slow@S` faults; they
    fire once, so the steps after a restart are not slowed). Medians over incidents.
-2. Goodput under failures every T seconds: the same job for a fixed wall time while the
-   benchmark SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then
-   stops it with SIGTERM (the preemption path: save and exit). Goodput = productive step time /
+2. Goodput under failures every T seconds, per restart path (`local`, the default, and
+   `standby`; --quick: `standby` only): the same job for a fixed wall time while the benchmark
+   SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then stops it with
+   SIGTERM (the preemption path: save and exit). No `slow` faults here: a standby group not
+   ready at a kill leaves the restart to the spares, and the table says which path each took. Goodput = productive step time /
    wall time (summary.json); `goodput_steady` leaves out the job's first start-up and compile,
    which a long job pays once.
 
@@ -55,17 +60,21 @@ FULL = {
     "steps": 30,
     "every": 5,
     "periods": (30.0, 60.0),
+    "goodput_paths": ("local", "standby"),
     "cycles": 4,
     "nproc": 4,
 }
-QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "cycles": 1, "nproc": 2}
+QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "goodput_paths": ("standby",),
+         "cycles": 1, "nproc": 2}  # fmt: skip
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
     "persistent": ([], ["ckpt.local_every=0"]),
     "local": ([], ["ckpt.local_every=1"]),
     "standby": (["--standby"], ["ckpt.local_every=1"]),
+    "standby-hang": (["--standby", "--hang-timeout", "8"], ["ckpt.local_every=1"]),
 }
-SLOW_STEPS, SLOW_S = 4, 4.0  # the standby job: time for its standby group to get ready
+FAULT = {"standby-hang": "hang"}  # the injected failure: a SIGSTOP-like hang, else "kill"
+SLOW_STEPS, SLOW_S = 4, 4.0  # the standby jobs: time for their standby group to get ready
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
@@ -147,8 +156,9 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     launch_args, extra = MODES[mode]
     faults = []
     for i, step in enumerate(p["kills"]):
-        faults += ["--fault", f"kill@{step}:process={1 + i % (p['nproc'] - 1)}"]
-        if mode == "standby":
+        kind = FAULT.get(mode, "kill")
+        faults += ["--fault", f"{kind}@{step}:process={1 + i % (p['nproc'] - 1)}"]
+        if mode.startswith("standby"):
             faults += ["--fault", f"slow@{step - SLOW_STEPS}:process=0:seconds={SLOW_S}"]
     run_dir = os.path.join(root, f"recovery-{mode}")
     args = [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)]
@@ -169,6 +179,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         # how each restarted group was started: standby | spares | cold
         "paths": [e.get("path") for e in restarted if e.get("event") == S.GROUP_STARTED],
         "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
+        "causes": [e.get("cause") for e in events if e.get("event") == S.FAILURE],
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
         "restore_tiers": [e.get("tier") for e in restarted if e.get("event") == W.RESTORE],
@@ -194,13 +205,17 @@ def _lost_steps(run_dir: str, events: list[dict]) -> list[int]:
     return out
 
 
-def measure_goodput(period: float, p: dict, recipe: str, overrides: list[str], root: str):
-    """The job for `cycles` + 1 periods after its first step, a SIGKILL at the end of each of
-    the first `cycles` periods; stopped (SIGTERM) once the last period is over."""
-    run_dir = os.path.join(root, f"goodput-{int(period)}s")
+def measure_goodput(
+    mode: str, period: float, p: dict, recipe: str, overrides: list[str], root: str
+) -> dict:
+    """The job (restart path `mode`: local or standby) for `cycles` + 1 periods after its first
+    step, a SIGKILL at the end of each of the first `cycles` periods; stopped (SIGTERM) once the
+    last period is over."""
+    launch_args, extra = MODES[mode]
+    run_dir = os.path.join(root, f"goodput-{mode}-{int(period)}s")
     cycles = p["cycles"]
-    job = _Job(run_dir, p["nproc"], ["--max-restarts", str(cycles + 2)],
-               _command(recipe, 1_000_000, 10, overrides))  # fmt: skip
+    job = _Job(run_dir, p["nproc"], [*launch_args, "--max-restarts", str(cycles + 2)],
+               _command(recipe, 1_000_000, 10, overrides + extra))  # fmt: skip
     rng = random.Random(0)
     kills = 0
     try:
@@ -232,7 +247,11 @@ def measure_goodput(period: float, p: dict, recipe: str, overrides: list[str], r
     startup = t_first - t_launch
     productive = (s["goodput"] or 0.0) * s["wall_s"]
     return {
+        "mode": mode,
         "period_s": period,
+        # how each restarted group came up (a standby not ready in time: the spares)
+        "paths": [e.get("path") for e in events
+                  if e.get("event") == S.GROUP_STARTED and e.get("incarnation", 0) > 0],  # fmt: skip
         "kills": kills,
         "wall_s": s["wall_s"],
         "steps": s["steps"],
@@ -245,6 +264,14 @@ def measure_goodput(period: float, p: dict, recipe: str, overrides: list[str], r
     }
 
 
+def _paths(paths: list) -> str:
+    """"standby x3, spares x1": how the restarted groups came up."""
+    counts: dict[str, int] = {}
+    for p in paths:
+        counts[str(p)] = counts.get(str(p), 0) + 1
+    return ", ".join(f"{p} x{n}" for p, n in counts.items()) or "-"
+
+
 def _table(rec: list[dict], good: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.1f}"
@@ -253,17 +280,28 @@ def _table(rec: list[dict], good: list[dict]) -> str:
               *(p.removesuffix("_s") for p in PHASES)]  # fmt: skip
     rows = [[r["mode"], r["incidents"], f(r["recovery_s"]), f(r["lost_steps"]),
              *(f(r[p]) for p in PHASES)] for r in rec]  # fmt: skip
-    header2 = ["failure every", "kills", "wall s", "goodput", "goodput after first start",
-               "mttr s"]  # fmt: skip
-    rows2 = [[f"{g['period_s']:.0f} s", g["kills"], f"{g['wall_s']:.0f}", f"{g['goodput']:.1%}",
-              f"{g['goodput_steady']:.1%}", f(g["mttr_s"])] for g in good]  # fmt: skip
+    header2 = ["restart path", "failure every", "kills", "restarts by", "wall s", "goodput",
+               "goodput after first start", "mttr s"]  # fmt: skip
+    rows2 = [[g["mode"], f"{g['period_s']:.0f} s", g["kills"], _paths(g["paths"]),
+              f"{g['wall_s']:.0f}", f"{g['goodput']:.1%}", f"{g['goodput_steady']:.1%}",
+              f(g["mttr_s"])] for g in good]  # fmt: skip
     return "\n\n".join([
         table(header, rows, "---|---:|---:|---:" + "|---:" * len(PHASES)),
-        table(header2, rows2, "|".join(["---:"] * 6)),
+        table(header2, rows2, "---|" + "|".join(["---:"] * 7)),
     ])  # fmt: skip
 
 
+def selected(paths: tuple[str, ...]) -> list[str]:
+    """The restart paths to measure (`--paths`), in MODES order; all when none are named."""
+    unknown = [m for m in paths if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown restart path(s) {', '.join(unknown)} for --paths; "
+                         f"use some of {', '.join(MODES)}")  # fmt: skip
+    return [m for m in MODES if not paths or m in paths]
+
+
 def run(b: Bench) -> dict:
+    modes = selected(b.paths)
     p = QUICK if b.quick else FULL
     recipe = b.recipe
     # quick: the small model's steps take milliseconds, so an asynchronous save could still be
@@ -272,11 +310,15 @@ def run(b: Bench) -> dict:
     overrides = list(b.overrides) + quick
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
-        rec = [measure_recovery(m, recipe, p, overrides, root) for m in MODES]
-        good = [measure_goodput(t, p, recipe, overrides, root) for t in p["periods"]]
+        rec = [measure_recovery(m, recipe, p, overrides, root) for m in modes]
+        good = [measure_goodput(m, t, p, recipe, overrides, root)
+                for m in p["goodput_paths"] if m in modes for t in p["periods"]]  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    cold, _, fast, standby = rec
+    by_mode = {r["mode"]: r for r in rec}
+    none = {"recovery_s": None}
+    cold, fast = by_mode.get("cold", none), by_mode.get("local", none)
+    standby, hang = by_mode.get("standby", none), by_mode.get("standby-hang", none)
     ratio = (
         (cold["recovery_s"] / fast["recovery_s"])
         if cold["recovery_s"] and fast["recovery_s"]
@@ -289,10 +331,12 @@ def run(b: Bench) -> dict:
         "overrides": overrides,
         "nproc": p["nproc"],
         "devices_per_proc": DEVICES,
+        "paths": modes,
         "recovery": rec,
         "recovery_s": fast["recovery_s"],
         "cold_over_local": ratio,
         "standby_s": standby["recovery_s"],
+        "standby_hang_s": hang["recovery_s"],
         "goodput": good,
     }
     text = _table(rec, good)
@@ -301,4 +345,6 @@ def run(b: Bench) -> dict:
                  f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
     if standby["recovery_s"]:
         text += f"; {standby['recovery_s']:.1f}s from a standby group"
+    if hang["recovery_s"]:
+        text += f"; a hang (hang timeout 8 s) to first step {hang['recovery_s']:.1f}s"
     return b.write("recovery", result, text)

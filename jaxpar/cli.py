@@ -152,7 +152,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar.rundir import check_path
 
     check_path(args.out, option="--out")  # before a bench runs for minutes
-    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out)
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else ()
+    if args.paths is not None and args.suite != "recovery":
+        raise ValueError("--paths applies to `jaxpar bench recovery` only; drop it")
+    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out, paths=paths)
     cfg = validate(b.cfg)
     run_suite(args.suite, dataclasses.replace(b, cfg=cfg, layout=lambda t: _layout(t, cfg.mesh)))
     return 0
@@ -455,6 +458,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json "
                      "(default: bench-results)")  # fmt: skip
     ben.add_argument("--quick", action="store_true", help="a small, fast version")
+    ben.add_argument("--paths", default=None, metavar="P,P",
+                     help="recovery only: the restart paths measured, comma-separated, of cold, "
+                     "persistent, local, standby, standby-hang (default: all)")  # fmt: skip
     ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value (repeatable)")  # fmt: skip
     ben.set_defaults(func=cmd_bench)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import runlog
+from jaxpar import launch, runlog
 from jaxpar.launch import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
 from jaxpar.metrics import RunDir
 from jaxpar.runlog import W
@@ -178,19 +178,24 @@ class Faults:
     def before_step(self, step: int) -> None:
         """Process-level faults at the start of `step` (0-based index of the step about to run)."""
         at = step + 1  # @S: about to start step S (1-based, as metrics.jsonl counts)
+        # A failure at S happens as soon as step S-1 is done (before any `slow` sleep): a hang's
+        # time without progress starts at its `fault_injected` event.
+        if self._take("kill", at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._take("hang", at):
+            # as a real hang inside a step: this process arrived at the step (its progress
+            # heartbeat says so), then makes no progress; jax's own heartbeats continue
+            launch.heartbeat(self.run.path, step)
+            while True:
+                time.sleep(3600)
+        if self._take("sigterm", at):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _await_preemption_notice()
         slow = self._take("slow", at)
         if slow is not None:
             self._slow = slow.seconds
         if self._slow:
             time.sleep(self._slow)
-        if self._take("kill", at):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self._take("hang", at):
-            while True:  # alive, heartbeats from jax continue, no step progress
-                time.sleep(3600)
-        if self._take("sigterm", at):
-            os.kill(os.getpid(), signal.SIGTERM)
-            _await_preemption_notice()
         self._maybe_lose_host(at)
         if any(s.kind == "corrupt" and s.step == at for s in self.specs):
             if self.wait_for_saves is not None:

@@ -1,9 +1,10 @@
 """A standby worker: the next incarnation's worker, built while the current one trains.
 
 `jaxpar launch --standby` starts, once a group has written its `compiled` event (so that the
-compiled-program cache holds its step), the next incarnation's workers with their final environment (process ids, their own jax coordinator,
-devices, incarnation N+1) plus JAXPAR_STANDBY=1. Such a worker runs the normal worker path as far
-as it can without knowing the failure — jax imported, `jax.distributed` initialised among the
+compiled-program cache holds its step) and completed a step, the next incarnation's workers
+with their final environment (process ids, their own jax coordinator, devices, incarnation N+1)
+plus JAXPAR_STANDBY=1. Such a worker runs the normal worker path as far as it can without
+knowing the failure — jax imported, `jax.distributed` initialised among the
 standby processes, mesh and program built, train step loaded from RUN_DIR/compiled (read only) or
 compiled, data source built — and then:
 

@@ -89,7 +89,8 @@ class LocalGroup:
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
         self.spares_due = False  # start spares once this group has started
         self.standby: Standby | None = None  # the next incarnation's workers, built ahead
-        self.standby_due = False  # build it once this group has compiled its step
+        self.standby_due = False  # build it once this group has completed a step
+        self.stepping = False  # the supervisor saw this group complete a step (heartbeats)
         self.seen: set[str] = set()  # this group's events seen so far (start, compiled)
         self.events: EventTail | None = None
         self.log_dir = os.path.join(self.opts.run_dir, runlog.LOGS)
@@ -137,6 +138,7 @@ class LocalGroup:
     def _started(self) -> None:
         self.spares_due = self.opts.spares and not self.spares
         self.standby_due = self.opts.standby and self.opts.nnodes == 1
+        self.stepping = False
         self.seen = set()
         self.events = EventTail(os.path.join(self.opts.run_dir, runlog.EVENTS))  # from now
 
@@ -211,8 +213,13 @@ class LocalGroup:
 
     def _maybe_start_standby(self) -> None:
         """Once this group has compiled its step (its `compiled` event: the compiled-program
-        cache holds the step the standby loads), build the next incarnation's group."""
-        if not self.standby_due or self.spec is None or runlog.W.COMPILED not in self.seen:
+        cache holds the step the standby loads) and completed a step, build the next
+        incarnation's group. Not before: on a small machine the build (a python + jax import,
+        `jax.distributed` and a program load per process) would slow the group's first step,
+        which after a failure is part of the recovery."""
+        if not (self.standby_due and self.stepping and self.spec is not None):
+            return
+        if runlog.W.COMPILED not in self.seen:
             return
         self.standby_due = False
         self.release_standby()
@@ -320,6 +327,10 @@ class LocalNode:
 
     def poll(self) -> list[tuple[int, int]]:
         return self.group.poll()
+
+    def group_stepping(self) -> None:
+        """The supervisor saw the current group complete a step (its standby may be built)."""
+        self.group.stepping = True
 
     def stopped(self) -> list[int]:
         return self.group.stopped()

@@ -391,6 +391,9 @@ class Supervisor:
                 hb.update(now)
                 next_hb = now + HB_EVERY_S
                 self._stragglers(hb, reported)
+                if hb.stepping_since is not None:
+                    for node in self.nodes:
+                        node.group_stepping()
             codes = dict(exits)
             bad = [(p, c) for p, c in exits if c != 0]
             if len(codes) == nproc and not bad:

@@ -84,6 +84,9 @@ class RemoteNode:
         out, self.pending = self.pending, []
         return out
 
+    def group_stepping(self) -> None:
+        """Nothing to do: a standby group is built on the leader's host only."""
+
     def stopped(self) -> list[int]:
         """Process ids the agent last saw stopped (SIGSTOP)."""
         return list(self._stopped)

@@ -55,3 +55,17 @@ def test_bench_takes_the_recipe_and_overrides():
     assert b.cfg.train.steps == 3 and b.recipe == "digits_mlp" and not b.default_recipe
     assert bench.Bench.create().default_recipe
     assert not bench.Bench.create(overrides=["train.steps=3"]).default_recipe
+
+
+def test_recovery_paths_are_checked_before_anything_runs(tmp_path, capsys):
+    from jaxpar import bench_recovery
+
+    assert bench_recovery.selected(()) == list(bench_recovery.MODES)
+    assert bench_recovery.selected(("standby-hang", "cold")) == ["cold", "standby-hang"]
+    b = bench.Bench.create(out_dir=str(tmp_path / "out"), paths=("standby", "warm"))
+    with pytest.raises(ValueError, match="unknown restart path.*warm.*use some of cold"):
+        bench.run_suite("recovery", b)
+    # another suite refuses the option with one line naming the fix, and writes nothing
+    assert cli.main(["bench", "meshes", "--paths", "standby", "--out", str(tmp_path / "o")]) == 2
+    assert "--paths applies to `jaxpar bench recovery` only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

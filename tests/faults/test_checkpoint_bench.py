@@ -1,12 +1,14 @@
 """`jaxpar bench checkpoint --quick` runs end to end (in process, 8 devices) and reports.
 
 No assertion on timings (they belong to the benchmark, not the tests): only that every figure
-is measured, the table is printed and checkpoint.json written.
+is measured (the local snapshot tier's price too), the table is printed and checkpoint.json
+written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -29,3 +31,10 @@ def test_quick_checkpoint_bench_reports_blocking_and_throughput(tmp_path, capsys
     assert result["saves"] == plan["rounds"]
     assert result["tokens_per_s_no_saves"] > 0 and result["tokens_per_s_with_saves"] > 0
     assert not list(tmp_path.glob("checkpoint-bench"))  # its checkpoints are removed
+    # the local tier: a snapshot after every step of the "on" blocks (+1 outside timing), both
+    # kinds of block timed, and its snapshots removed from RAM afterwards
+    assert "| local tier on / off |" in table
+    assert result["local_tier_snapshots"] == plan["rounds"] * plan["every"] + 1
+    assert result["step_s_local_tier_on"] > 0 and result["step_s_local_tier_off"] > 0
+    assert result["local_tier_step_ratio"] > 0 and result["local_tier_bytes_per_process"] > 1e6
+    assert not os.path.exists(result["local_tier_dir"])

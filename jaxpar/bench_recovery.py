@@ -177,7 +177,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         # how the restarted groups came up: from spares, and with compiled programs loaded
         "warm_starts": sum(1 for e in restarted if e.get("event") == W.START and e.get("warm")),
         # how each restarted group was started: standby | spares | cold
-        "paths": [e.get("path") for e in restarted if e.get("event") == S.GROUP_STARTED],
+        "paths": _restart_paths(events),
         "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
         "causes": [e.get("cause") for e in events if e.get("event") == S.FAILURE],
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
@@ -250,8 +250,7 @@ def measure_goodput(
         "mode": mode,
         "period_s": period,
         # how each restarted group came up (a standby not ready in time: the spares)
-        "paths": [e.get("path") for e in events
-                  if e.get("event") == S.GROUP_STARTED and e.get("incarnation", 0) > 0],  # fmt: skip
+        "paths": _restart_paths(events),
         "kills": kills,
         "wall_s": s["wall_s"],
         "steps": s["steps"],
@@ -264,8 +263,14 @@ def measure_goodput(
     }
 
 
+def _restart_paths(events: list[dict]) -> list:
+    """standby | spares | cold for each restarted group (after the first start)."""
+    return [e.get("path") for e in events
+            if e.get("event") == S.GROUP_STARTED and e.get("incarnation", 0) > 0]  # fmt: skip
+
+
 def _paths(paths: list) -> str:
-    """"standby x3, spares x1": how the restarted groups came up."""
+    """How the restarted groups came up, e.g. "standby x3, spares x1"."""
     counts: dict[str, int] = {}
     for p in paths:
         counts[str(p)] = counts.get(str(p), 0) + 1

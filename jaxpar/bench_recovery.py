@@ -34,6 +34,7 @@ compare the two restart paths measured in the same run, not figures from differe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -43,7 +44,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+
+import psutil
 
 from jaxpar import runlog
 from jaxpar.bench import Bench, table
@@ -74,7 +78,7 @@ MODES = {
     "standby-hang": (["--standby", "--hang-timeout", "8"], ["ckpt.local_every=1"]),
 }
 FAULT = {"standby-hang": "hang"}  # the injected failure: a SIGSTOP-like hang, else "kill"
-SLOW_STEPS, SLOW_S = 4, 4.0  # the standby jobs: time for their standby group to get ready
+SLOW_STEPS, SLOW_S = 5, 5.0  # the standby jobs: time for their standby group to get ready
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
@@ -146,6 +150,47 @@ class _Job:
         return pids
 
 
+class _StandbyMemory:
+    """Samples, once a second, the resident memory of the job's waiting standby workers (their
+    environment has JAXPAR_STANDBY=1 and an incarnation after the running group's) and of the
+    running group's workers; keeps the peaks (MB, summed over processes)."""
+
+    def __init__(self, job: _Job):
+        self.job, self.standby_mb, self.group_mb = job, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(Exception):  # processes come and go while sampled
+                self._sample()
+
+    def _sample(self) -> None:
+        events = read_jsonl(os.path.join(self.job.run_dir, runlog.EVENTS))
+        running = max((e["incarnation"] for e in events if e.get("event") == W.START), default=0)
+        workers = set(self.job.worker_pids())
+        standby = group = 0
+        for p in psutil.Process(self.job.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                env = p.environ()
+                rss = p.memory_info().rss
+                if (
+                    env.get("JAXPAR_STANDBY") == "1"
+                    and int(env.get("JAXPAR_INCARNATION", -1)) > running
+                ):
+                    standby += rss
+                elif p.pid in workers:
+                    group += rss
+        self.standby_mb = max(self.standby_mb, standby / 2**20)
+        self.group_mb = max(self.group_mb, group / 2**20)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return {"standby_peak_rss_mb": self.standby_mb, "group_peak_rss_mb": self.group_mb}
+
+
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -165,7 +210,9 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     job = _Job(
         run_dir, p["nproc"], args, _command(recipe, p["steps"], p["every"], overrides + extra)
     )
+    memory = _StandbyMemory(job) if MODES[mode][0][:1] == ["--standby"] else None
     code = job.wait(timeout=3600)
+    rss = memory.stop() if memory is not None else {}
     incidents = ledger_of(run_dir)
     events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
     restarted = [e for e in events if e.get("incarnation", 0) > 0]
@@ -185,6 +232,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         "restore_tiers": [e.get("tier") for e in restarted if e.get("event") == W.RESTORE],
         "lost_steps": _median(lost),
         "lost_steps_each": lost,
+        **rss,  # standby paths: the waiting standby group's and the running group's peak RSS
     }
     for phase in PHASES:
         out[phase] = _median([i[phase] for i in incidents])
@@ -341,6 +389,7 @@ def run(b: Bench) -> dict:
         "recovery_s": fast["recovery_s"],
         "cold_over_local": ratio,
         "standby_s": standby["recovery_s"],
+        "standby_peak_rss_mb": standby.get("standby_peak_rss_mb"),
         "standby_hang_s": hang["recovery_s"],
         "goodput": good,
     }
@@ -352,4 +401,8 @@ def run(b: Bench) -> dict:
         text += f"; {standby['recovery_s']:.1f}s from a standby group"
     if hang["recovery_s"]:
         text += f"; a hang (hang timeout 8 s) to first step {hang['recovery_s']:.1f}s"
+    if standby.get("standby_peak_rss_mb"):
+        text += (f"\n\nmemory: a waiting standby group of {p['nproc']} processes peaked at "
+                 f"{standby['standby_peak_rss_mb']:,.0f} MB resident, the running group at "
+                 f"{standby['group_peak_rss_mb']:,.0f} MB")  # fmt: skip
     return b.write("recovery", result, text)

@@ -461,8 +461,36 @@ def _standby_ready(s: Session) -> tuple:
     directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
     compile_cache.configure(directory, readonly=True, shared=_shared_cache(s.cfg))
     early = compile_step(s)
+    _warm_step(s, early[0])
     standby.wait_for_go()  # returns on "go"; a released standby exits here
     return early
+
+
+def _warm_step(s: Session, compiled) -> None:
+    """Run the compiled step once on a throwaway state of zeros and batch 0, and drop the
+    result: its collectives connect (gloo on CPU connects at a program's first collective) and
+    its first-run set-up happens now, not in the first step after a failure. Nothing is written;
+    the extra state lives only while it runs. A failure costs only the warm-up."""
+
+    def zeros(a):
+        return jax.make_array_from_callback(
+            a.shape, a.sharding, lambda idx: np.zeros(_shard_shape(a.shape, idx), a.dtype)
+        )
+
+    try:
+        state = jax.tree.map(zeros, s.program.abstract_state)
+        replicated = NamedSharding(s.mesh, PartitionSpec())
+        one = jax.make_array_from_callback((), replicated, lambda _: np.float32(1.0))
+        t0 = time.time()
+        jax.block_until_ready(compiled(state, device_batch(s, 0), one))
+        print(f"jaxpar: standby warm-up step ran ({time.time() - t0:.2f}s)", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the standby still goes, its first step is colder
+        print(f"jaxpar: standby warm-up step skipped ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+def _shard_shape(shape: tuple, index: tuple) -> tuple:
+    """The shape of `index` (a tuple of slices, as make_array_from_callback passes) into `shape`."""
+    return tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=False))
 
 
 def _run_locked(

@@ -73,7 +73,7 @@ LONGEST_FIRST = {
     CLUSTER: 1050,
     "sharding/test_parity.py": 920,
     "sharding/test_pipeline.py": 900,
-    "e2e/test_bench_recovery.py": 700,
+    "e2e/test_bench_recovery.py": 800,
     "faults/test_checkpoint_faults.py": 650,
     "faults/test_supervisor.py": 600,
     "data/test_data_e2e.py": 590,

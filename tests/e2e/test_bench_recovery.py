@@ -48,6 +48,9 @@ def test_bench_recovery_quick(tmp_path):
                                                                        ["standby"])  # fmt: skip
     assert standby["restore_tiers"] == ["local"] and standby["lost_steps_each"][0] <= 1
     assert r["standby_s"] == standby["recovery_s"]
+    # the waiting standby group's memory was sampled (2 processes with jax loaded: > 100 MB)
+    assert r["standby_peak_rss_mb"] == standby["standby_peak_rss_mb"] > 100
+    assert standby["group_peak_rss_mb"] > 100 and "memory: a waiting standby group" in text
     # a hung worker: found by its heartbeats after the 8 s hang timeout, then the standby goes
     assert hang["paths"] == ["standby"] and hang["restore_tiers"] == ["local"]
     assert hang["causes"] == ["hang"] and cold["causes"] == standby["causes"] == ["signal"]

@@ -128,10 +128,10 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
 
 def test_worker_killed_standby_group_takes_over(reference, tmp_path):
     """Under --standby the next incarnation is built while the group trains (slowed down from
-    step 3 so that it is ready); the kill switches to it: it restores the newest snapshot and
+    step 2 so that it is ready); the kill switches to it: it restores the newest snapshot and
     trains on to the same losses."""
     run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", "--standby",
-                                    "--fault", "slow@3:process=0:seconds=3",
+                                    "--fault", "slow@2:process=0:seconds=5",
                                     "--fault", "kill@8:process=1"], _cmd())  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
@@ -143,6 +143,9 @@ def test_worker_killed_standby_group_takes_over(reference, tmp_path):
     assert starts[1]["path"] == "standby" and starts[1]["warm"] is True, starts
     compiled = [e for e in run.events("compiled") if e["incarnation"] == 1]
     assert compiled and compiled[0]["ahead"] is True and compiled[0]["misses"] == 0, compiled
+    # the standby ran its throwaway warm-up step (on zeros) before it was needed
+    logs = "".join(p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("inc1-*"))
+    assert logs.count("standby warm-up step ran") == 2, logs[-3000:]  # each of the 2 processes
     (restore,) = run.events("restore")
     assert restore["tier"] == "local" and restore["incarnation"] == 1, restore
     assert_exact(run.run_dir, reference)

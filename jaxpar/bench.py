@@ -113,7 +113,7 @@ def register(name: str, target: str, help: str, duration: str) -> None:
 register("overhead", "jaxpar.bench_step:overhead", "jaxpar's loop step vs a plain jax.jit step of the same GPT", "~1 min (quick ~30 s)")
 register("meshes", "jaxpar.bench_step:meshes", "throughput and collective bytes per mesh layout on 1..8 devices", "~5 min (quick ~1 min)")
 register("checkpoint", "jaxpar.bench_checkpoint:run", "async vs sync save blocking, and the throughput cost of saving", "~3 min (quick ~1 min)")
-register("recovery", "jaxpar.bench_recovery:run", "restart time (spares + compile cache vs cold), goodput under kills", "~40 min (quick ~6 min)")
+register("recovery", "jaxpar.bench_recovery:run", "restart time (spares + compile cache vs cold), goodput under kills", "~45 min (quick ~8 min)")
 register("pipeline", "jaxpar.bench_pipeline:run", "GPipe and circular schedules: step time and bubble vs prediction", "~10 min (quick ~2 min)")
 register("comm", "jaxpar.bench_comm:run", "gradient all-reduce fp32 / bf16 / int8 / DiLoCo: bytes and loss", "~5 min (quick ~1 min)")
 register("precision", "jaxpar.bench_precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")

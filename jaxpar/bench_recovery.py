@@ -394,13 +394,16 @@ def run(b: Bench) -> dict:
         "goodput": good,
     }
     text = _table(rec, good)
+    said = []
     if ratio:
-        text += (f"\n\nrecovery: {fast['recovery_s']:.1f}s with spares + compile cache + local "
-                 f"snapshots, {cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
+        said.append(f"{fast['recovery_s']:.1f}s with spares + compile cache + local snapshots, "
+                    f"{cold['recovery_s']:.1f}s cold ({ratio:.1f}x)")  # fmt: skip
     if standby["recovery_s"]:
-        text += f"; {standby['recovery_s']:.1f}s from a standby group"
+        said.append(f"{standby['recovery_s']:.1f}s from a standby group")
     if hang["recovery_s"]:
-        text += f"; a hang (hang timeout 8 s) to first step {hang['recovery_s']:.1f}s"
+        said.append(f"a hang (hang timeout 8 s) to first step {hang['recovery_s']:.1f}s")
+    if said:
+        text += "\n\nrecovery: " + "; ".join(said)
     if standby.get("standby_peak_rss_mb"):
         text += (f"\n\nmemory: a waiting standby group of {p['nproc']} processes peaked at "
                  f"{standby['standby_peak_rss_mb']:,.0f} MB resident, the running group at "

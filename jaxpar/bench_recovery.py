@@ -14,19 +14,19 @@ made smaller, synchronous saves so that a save is committed before the kill), re
    `persistent` (the same, restoring from the persistent checkpoint: `ckpt.local_every=0`) and
    `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier), and `standby`
    (`--standby`: the next group built ahead, up to its loaded step, local tier), and
-   `standby-hang` (the same with `--hang-timeout 8`, each failure a `hang@S` fault: a worker
-   that stops making progress, detected by its heartbeats). A standby group
-   is built once its group has compiled and completed a step; so that it is ready before each
-   kill, process 0 of the
-   standby job sleeps SLOW_S in each of the SLOW_STEPS steps before a kill (`slow@S` faults; they
-   fire once, so the steps after a restart are not slowed). Medians over incidents.
+   `standby-hang` (the same with `--hang-timeout 12`, each failure a `hang@S` fault: a worker
+   that stops making progress, detected by its heartbeats). A standby group is built once its
+   group has compiled and completed a step; so that it is ready before each failure, process 0
+   of the standby jobs sleeps SLOW_S once, SLOW_STEPS steps before each failure (`slow@S`
+   faults; they fire once, so the steps after a restart are not slowed). Medians over incidents.
 2. Goodput under failures every T seconds, per restart path (`local`, the default, and
    `standby`; --quick: `standby` only): the same job for a fixed wall time while the benchmark
    SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then stops it with
    SIGTERM (the preemption path: save and exit). No `slow` faults here: a standby group not
-   ready at a kill leaves the restart to the spares, and the table says which path each took. Goodput = productive step time /
-   wall time (summary.json); `goodput_steady` leaves out the job's first start-up and compile,
-   which a long job pays once.
+   ready at a kill leaves the restart to the spares, and the table says which path each took.
+   Goodput = productive step time / wall time (summary.json); `goodput_steady` leaves out the
+   job's first start-up and compile, which a long job pays once; `time_lost_s` is summary.json's
+   split of the rest by cause.
 
 Writes OUT_DIR/recovery.json and prints markdown tables. Timings depend on the machine's load:
 compare the two restart paths measured in the same run, not figures from different runs.
@@ -57,6 +57,9 @@ from jaxpar.runlog import PHASES, S, W
 
 DEVICES = 2  # CPU devices per process
 # the default recipe made smaller for the quick version (each cold incarnation compiles in seconds).
+# The hang path's timeout: above SLOW_S plus a step slowed by a standby group being built on the
+# same cores (a worker waiting for a `slow` peer makes no progress either).
+HANG_TIMEOUT_S = 12
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
 # quick: 2 processes instead of 4 (the same paths, half the processes on a small machine)
 FULL = {
@@ -75,7 +78,7 @@ MODES = {
     "persistent": ([], ["ckpt.local_every=0"]),
     "local": ([], ["ckpt.local_every=1"]),
     "standby": (["--standby"], ["ckpt.local_every=1"]),
-    "standby-hang": (["--standby", "--hang-timeout", "8"], ["ckpt.local_every=1"]),
+    "standby-hang": (["--standby", "--hang-timeout", str(HANG_TIMEOUT_S)], ["ckpt.local_every=1"]),
 }
 FAULT = {"standby-hang": "hang"}  # the injected failure: a SIGSTOP-like hang, else "kill"
 SLOW_STEPS, SLOW_S = 5, 5.0  # the standby jobs: time for their standby group to get ready
@@ -210,7 +213,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     job = _Job(
         run_dir, p["nproc"], args, _command(recipe, p["steps"], p["every"], overrides + extra)
     )
-    memory = _StandbyMemory(job) if MODES[mode][0][:1] == ["--standby"] else None
+    memory = _StandbyMemory(job) if "--standby" in MODES[mode][0] else None
     code = job.wait(timeout=3600)
     rss = memory.stop() if memory is not None else {}
     incidents = ledger_of(run_dir)
@@ -308,6 +311,7 @@ def measure_goodput(
         "first_startup_s": startup,
         "mttr_s": s.get("mttr_s"),
         "lost_steps": s["lost_steps"],
+        "time_lost_s": s.get("time_lost_s", {}),  # by cause: where the rest of the wall went
     }
 
 
@@ -401,7 +405,9 @@ def run(b: Bench) -> dict:
     if standby["recovery_s"]:
         said.append(f"{standby['recovery_s']:.1f}s from a standby group")
     if hang["recovery_s"]:
-        said.append(f"a hang (hang timeout 8 s) to first step {hang['recovery_s']:.1f}s")
+        said.append(
+            f"a hang (hang timeout {HANG_TIMEOUT_S} s) to first step {hang['recovery_s']:.1f}s"
+        )
     if said:
         text += "\n\nrecovery: " + "; ".join(said)
     if standby.get("standby_peak_rss_mb"):

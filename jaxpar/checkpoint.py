@@ -267,6 +267,13 @@ def warm_up(abstract_tree) -> None:
         _program_for(leaves)
 
 
+def warm_replica_check(tree, mesh: jax.sharding.Mesh) -> None:
+    """Run the replica check once on a throwaway `tree` and forget it: the hash program is loaded
+    and its collectives connect now (gloo connects at a program's first run), not in a restore."""
+    replica_mismatches(tree, mesh)
+    _LAST.clear()
+
+
 def checksums(state) -> dict[str, int]:
     """Path -> uint32 checksum of every array of the state (computed on device, layout-free)."""
     return _hashes(state).checksums()

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,6 +29,7 @@ from jaxpar.checkpoint import (
     ReplicaMismatch,
     replica_mismatches,
     say,
+    warm_replica_check,
 )
 from jaxpar.checkpoint import preflight as checkpoint_preflight
 from jaxpar.config import TrainConfig, config_hash, hashed_dict, to_dict, validate, warnings_for
@@ -62,6 +64,7 @@ class Session:
     flops_per_step: float | None
     peak: float | None
     tb: TensorBoardWriter | None = None  # log.tensorboard, process 0
+    eval_compiled: Any = None  # the compiled eval step, once loaded (eval_program)
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
@@ -151,27 +154,40 @@ def device_batch(s: Session, step: int, split: str = "train") -> dict:
     return data_lib.to_device(local, s.program.batch_shardings, s.cfg.data.global_batch)
 
 
-def compile_step(s: Session):
-    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
-    t0 = time.time()
+def _abstract_batch(s: Session) -> dict:
     spec = data_lib.batch_spec(s.source, s.cfg.data.global_batch)
-    abs_batch = {
+    return {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.program.batch_shardings[k])
         for k, v in spec.items()
     }
+
+
+def compile_step(s: Session):
+    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
+    t0 = time.time()
     poison = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(s.mesh, PartitionSpec()))
-    lowered = s.program.train_step.lower(s.program.abstract_state, abs_batch, poison)
+    lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s), poison)
     compiled, _ = compile_cache.compile(lowered, "train_step")
     return compiled, time.time() - t0
+
+
+def eval_program(s: Session):
+    """The eval step, AOT-compiled once per incarnation through the compiled-program cache (a
+    restarted group loads it instead of compiling it again at its first evaluation)."""
+    if s.eval_compiled is None:
+        lowered = s.program.eval_step.lower(s.program.abstract_state, _abstract_batch(s))
+        s.eval_compiled = compile_cache.compile(lowered, "eval_step")[0]
+    return s.eval_compiled
 
 
 def evaluate(s: Session, state: dict, step: int) -> dict:
     """Loss and every metric of the loss, averaged over train.eval_batches batches of the eval
     split; written as eval_loss, eval_NAME. Returns the metrics line."""
     values: dict[str, list[float]] = {}
+    program = eval_program(s)
     for i in range(s.cfg.train.eval_batches):
         batch = device_batch(s, i, split="eval")
-        for k, v in jax.device_get(s.program.eval_step(state, batch)).items():
+        for k, v in jax.device_get(program(state, batch)).items():
             values.setdefault(k, []).append(float(np.mean(v)))
     order = sorted(values, key=lambda k: k != "loss")  # eval_loss first
     line = {"step": step, **{f"eval_{k}": float(np.mean(values[k])) for k in order}}
@@ -461,16 +477,19 @@ def _standby_ready(s: Session) -> tuple:
     directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
     compile_cache.configure(directory, readonly=True, shared=_shared_cache(s.cfg))
     early = compile_step(s)
+    if 0 < s.cfg.train.eval_every <= s.cfg.train.steps:
+        eval_program(s)  # loaded now, not at the new group's first evaluation
     _warm_step(s, early[0])
     standby.wait_for_go()  # returns on "go"; a released standby exits here
     return early
 
 
 def _warm_step(s: Session, compiled) -> None:
-    """Run the compiled step once on a throwaway state of zeros and batch 0, and drop the
-    result: its collectives connect (gloo on CPU connects at a program's first collective) and
-    its first-run set-up happens now, not in the first step after a failure. Nothing is written;
-    the extra state lives only while it runs. A failure costs only the warm-up."""
+    """Run the restore's replica check and the compiled step once on a throwaway state of zeros
+    and batch 0, and drop the results: their collectives connect (gloo on CPU connects at a
+    program's first collective) and their first-run set-up happens now, not in the restore and
+    the first step after a failure. Nothing is written; the extra state lives only while it
+    runs. A failure costs only the warm-up."""
 
     def zeros(a):
         return jax.make_array_from_callback(
@@ -482,6 +501,7 @@ def _warm_step(s: Session, compiled) -> None:
         replicated = NamedSharding(s.mesh, PartitionSpec())
         one = jax.make_array_from_callback((), replicated, lambda _: np.float32(1.0))
         t0 = time.time()
+        warm_replica_check(state, s.mesh)  # what a restore runs on the state it read
         jax.block_until_ready(compiled(state, device_batch(s, 0), one))
         print(f"jaxpar: standby warm-up step ran ({time.time() - t0:.2f}s)", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - the standby still goes, its first step is colder

@@ -226,8 +226,9 @@ def test_other_model_config_is_refused_unless_forced(reference, tmp_path):
 def test_wall_time_limit_saves_and_exits_cleanly(reference, tmp_path):
     _, ref = reference
     run_dir = tmp_path / "run"
-    # 2 s per step from step 2: 30 steps would take > 60 s, so the limit strikes mid-run
-    slow = ["slow@2:seconds=2"]
+    # 3 s per step from step 2: 30 steps take > 87 s however fast the machine, so the limit
+    # strikes mid-run (2 s per step came within a second of the limit: 58 s of sleeps)
+    slow = ["slow@2:seconds=3"]
     ok(train(run_dir, "--set", "run.max_wall_s=60", faults=slow))
     (limit,) = events(run_dir, "wall_time_limit")
     assert 0 < limit["step"] < STEPS, "startup took the whole limit: no step to check"

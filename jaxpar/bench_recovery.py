@@ -56,10 +56,10 @@ from jaxpar.metrics import read_jsonl
 from jaxpar.runlog import PHASES, S, W
 
 DEVICES = 2  # CPU devices per process
-# the default recipe made smaller for the quick version (each cold incarnation compiles in seconds).
 # The hang path's timeout: above SLOW_S plus a step slowed by a standby group being built on the
 # same cores (a worker waiting for a `slow` peer makes no progress either).
 HANG_TIMEOUT_S = 12
+# the default recipe made smaller for the quick version (each cold incarnation compiles in seconds).
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_mlp=128"]
 # quick: 2 processes instead of 4 (the same paths, half the processes on a small machine)
 FULL = {

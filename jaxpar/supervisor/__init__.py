@@ -23,9 +23,11 @@ The pieces (none imports jax):
                the worker environment
     monitor    heartbeats, the events tail, the hang decision, the step in progress
     group      this host's workers and hot spares; wake-ups on child exit (pidfd)
+    standby    this host's standby group: the next group's workers, started ahead
     transport  the agents' authenticated control channel: leader rendezvous, remote nodes,
                the follower agent
-    loop       the leader's restart loop
+    incarnation  one group on every node: spawn, watch, record the failure, stop the survivors
+    loop       the leader's restart loop: restart, back off, give up or shrink
 """
 
 from __future__ import annotations

@@ -66,30 +66,40 @@ IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program
 
 # The cluster tests share one worker: they start one SLURM cluster and namespace hosts with fixed
 # addresses (never two at once). Every other module is a group of its own (module fixtures built
-# once). The longest groups start first so that no worker is left with a long tail: seconds per
-# group from `pytest --durations=0` on a 2-core machine (3 workers), rounded (a wrong figure only
-# changes the order).
+# once), unless a test names its group (`pytest.mark.xdist_group`). The longest groups start
+# first so that no worker is left with a long tail: seconds per group from `pytest
+# --durations=0` on a 2-core machine (3 workers), rounded (a wrong figure only changes the order).
 CLUSTER = "cluster"
+# test_pipeline.py's tests that run in child processes form a group of their own (the module's
+# two halves run on two workers).
+PIPELINE_CHILDREN = "sharding/test_pipeline.py:children"
 LONGEST_FIRST = {
-    CLUSTER: 1050,
-    "sharding/test_parity.py": 920,
-    "sharding/test_pipeline.py": 900,
-    "e2e/test_bench_recovery.py": 800,
-    "faults/test_checkpoint_faults.py": 650,
-    "faults/test_supervisor.py": 600,
-    "data/test_data_e2e.py": 590,
-    "sharding/test_comm.py": 500,
-    "sharding/test_precision.py": 450,
-    "recovery/test_local_resume_2proc.py": 450,
-    "multiprocess/test_resume_2proc.py": 380,
-    "recovery/test_standby_teardown.py": 350,
-    "e2e/test_bench_precision.py": 340,
-    "e2e/test_bench_quick.py": 300,
-    "e2e/test_notebook.py": 250,
+    "sharding/test_pipeline.py": 1300,
+    PIPELINE_CHILDREN: 820,
+    "sharding/test_parity.py": 1170,
+    "sharding/test_precision.py": 840,
+    CLUSTER: 790,
+    "sharding/test_comm.py": 760,
+    "faults/test_supervisor.py": 640,
+    "faults/test_checkpoint_faults.py": 630,
+    "e2e/test_bench_recovery.py": 510,
+    "e2e/test_bench_quick.py": 470,
+    "multiprocess/test_resume_2proc.py": 300,
+    "data/test_data_e2e.py": 240,
+    "hardening/test_hardening_process.py": 240,
+    "recovery/test_local_resume_2proc.py": 230,
+    "recovery/test_standby_teardown.py": 210,
+    "e2e/test_notebook.py": 210,
+    "sharding/test_reshard.py": 200,
+    "unit/test_precision_policy.py": 180,
 }
 
 
 def _group(item: pytest.Item) -> str:
+    """The test's xdist group: its own `xdist_group` marker, else its module (or the cluster)."""
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return marker.args[0] if marker.args else marker.kwargs["name"]
     rel = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).split(os.sep)
     return CLUSTER if rel[0] == CLUSTER else "/".join(rel)
 

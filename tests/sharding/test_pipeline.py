@@ -30,6 +30,8 @@ LOSS_RTOL = 2e-6  # first-step loss, relative
 GRAD_ATOL = 2e-6  # first-step gradients (the largest is ~0.9)
 LOSSES_RTOL = 1e-5  # later steps: Adam amplifies roundoff
 CHILD = "JAXPAR_PIPELINE_CHILD"
+# The tests that run in child processes: their own xdist group (tests/conftest.py)
+CHILDREN = pytest.mark.xdist_group("sharding/test_pipeline.py:children")
 
 
 def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, **train) -> TrainConfig:
@@ -186,6 +188,7 @@ def _in_child(request, layout) -> bool:
 
 
 @pytest.mark.slow
+@CHILDREN
 @pytest.mark.parametrize(
     "layout, schedule, m, v",
     [
@@ -200,6 +203,7 @@ def test_combined_layouts(request, jp, reference, layout, schedule, m, v):
 
 
 @pytest.mark.slow
+@CHILDREN
 def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference):
     """data=2·fsdp=2·tensor=2·pipeline=2 in a 16-device subprocess: exact, one DP reduction."""
     if rerun(16, timeout=600):

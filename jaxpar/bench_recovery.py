@@ -17,8 +17,9 @@ made smaller, synchronous saves so that a save is committed before the kill), re
    `standby-hang` (the same with `--hang-timeout 12`, each failure a `hang@S` fault: a worker
    that stops making progress, detected by its heartbeats). A standby group is built once its
    group has compiled and completed a step; so that it is ready before each failure, process 0
-   of the standby jobs sleeps SLOW_S once, SLOW_STEPS steps before each failure (`slow@S`
-   faults; they fire once, so the steps after a restart are not slowed). Medians over incidents.
+   of the standby jobs sleeps once, SLOW_STEPS steps before each failure (`slow@S` faults; they
+   fire once, so the steps after a restart are not slowed): SLOW_S (5 s) before a hang, and
+   before a kill 5 s (30 s with --quick). Medians over incidents.
 2. Goodput under failures every T seconds, per restart path (`local`, the default, and
    `standby`; --quick: `standby` only): the same job for a fixed wall time while the benchmark
    SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then stops it with
@@ -70,9 +71,10 @@ FULL = {
     "goodput_paths": ("local", "standby"),
     "cycles": 4,
     "nproc": 4,
+    "standby_slow_s": 5.0,
 }
 QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "goodput_paths": ("standby",),
-         "cycles": 1, "nproc": 2}  # fmt: skip
+         "cycles": 1, "nproc": 2, "standby_slow_s": 30.0}  # fmt: skip
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
     "persistent": ([], ["ckpt.local_every=0"]),
@@ -81,7 +83,11 @@ MODES = {
     "standby-hang": (["--standby", "--hang-timeout", str(HANG_TIMEOUT_S)], ["ckpt.local_every=1"]),
 }
 FAULT = {"standby-hang": "hang"}  # the injected failure: a SIGSTOP-like hang, else "kill"
-SLOW_STEPS, SLOW_S = 5, 5.0  # the standby jobs: time for their standby group to get ready
+# The standby jobs: time for their standby group to get ready. The hang path's sleep is bounded
+# by its hang timeout (and the detection itself gives the standby time); the kill path's is
+# p["standby_slow_s"]: --quick runs where the machine is busiest (the test suite, several jobs on
+# two cores), where a standby group of 2 processes has needed more than 5 s to get ready.
+SLOW_STEPS, SLOW_S = 5, 5.0
 
 
 def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[str]:
@@ -207,7 +213,8 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         kind = FAULT.get(mode, "kill")
         faults += ["--fault", f"{kind}@{step}:process={1 + i % (p['nproc'] - 1)}"]
         if mode.startswith("standby"):
-            faults += ["--fault", f"slow@{step - SLOW_STEPS}:process=0:seconds={SLOW_S}"]
+            slow = SLOW_S if mode == "standby-hang" else p["standby_slow_s"]
+            faults += ["--fault", f"slow@{step - SLOW_STEPS}:process=0:seconds={slow}"]
     run_dir = os.path.join(root, f"recovery-{mode}")
     args = [*launch_args, *faults, "--max-restarts", str(len(p["kills"]) + 1)]
     job = _Job(

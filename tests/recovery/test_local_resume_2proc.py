@@ -127,11 +127,11 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
 
 
 def test_worker_killed_standby_group_takes_over(reference, tmp_path):
-    """Under --standby the next incarnation is built while the group trains (slowed down from
-    step 2 so that it is ready); the kill switches to it: it restores the newest snapshot and
-    trains on to the same losses."""
+    """Under --standby the next incarnation is built while the group trains (slowed down at
+    step 2 for 20 s so that it is ready even on a busy machine); the kill switches to it: it
+    restores the newest snapshot and trains on to the same losses."""
     run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", "--standby",
-                                    "--fault", "slow@2:process=0:seconds=5",
+                                    "--fault", "slow@2:process=0:seconds=20",
                                     "--fault", "kill@8:process=1"], _cmd())  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()

@@ -124,15 +124,15 @@ def _device_count():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _subprocess_compilation_cache(tmp_path_factory):
+def _session_compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the session's processes (subprocesses through
     tests.helpers.cpu_env); a child pytest (rerun_with_devices) keeps its parent's."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one for all workers
     cache = os.environ.setdefault(helpers.CACHE_ENV, str(shared / "jax-cache"))
-    # The test processes share it too: a module on another worker that compiles the same program
-    # (gpt_tiny on dp8 in the parity, audit and precision modules) loads it. Only programs that
-    # took seconds go in, so the compiled-program cache's own tests (tiny programs) never see it.
+    # The test processes share it too: a test that builds a program another test (on any worker)
+    # already compiled loads it. Only programs that took seconds go in, so the compiled-program
+    # cache's own tests (tiny programs) never see it.
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", IN_PROCESS_CACHE_MIN_S)
     local = os.environ.setdefault(helpers.LOCAL_ENV, str(tmp_path_factory.getbasetemp() / "local"))

@@ -1,4 +1,4 @@
-# ruff: noqa: E402  (XLA_FLAGS must be set before jax is imported)
+# ruff: noqa: E402  (XLA_FLAGS must be set before jax creates its CPU backend)
 """Shared test set-up: 8 simulated CPU devices, cached compiled steps and reference runs.
 
 Tiers: `python -m pytest -m "not slow"` is the fast tier; `slow` marks multi-layout parity,
@@ -19,21 +19,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = int(os.environ.get("JAXPAR_TEST_DEVICES", "8"))
 
 
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # jaxpar (models/, meshes/, train/ as jaxpar.*) from the checkout
+
+from tests import helpers  # imports jax but creates no backend
+
+
 def _xla_flags(existing: str, devices: int) -> str:
-    """XLA_FLAGS for the tests: an existing host device count wins; single-threaded CPU ops."""
+    """XLA_FLAGS for the tests: the device count and helpers.XLA_TEST_FLAGS, each unless
+    `existing` sets that flag already."""
     flags = existing.split()
-    if not any(f.startswith("--xla_force_host_platform_device_count") for f in flags):
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in flags):
-        # Fewer threads per device: 8 fake devices on a couple of shared cores.
-        flags += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+    wanted = [f"--xla_force_host_platform_device_count={devices}", *helpers.XLA_TEST_FLAGS.split()]
+    for flag in wanted:
+        if not any(f.split("=")[0] == flag.split("=")[0] for f in flags):
+            flags.append(flag)
     return " ".join(flags)
 
 
 # Must happen before jax creates its CPU backend (the first jax.devices() call).
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # jaxpar (models/, meshes/, train/ as jaxpar.*) from the checkout
 
 import dataclasses
 import inspect
@@ -56,7 +60,6 @@ from jaxpar import step as step_lib
 from jaxpar.config import TrainConfig, resolve_recipe
 from jaxpar.mesh import make_mesh
 from jaxpar.rules import Preset
-from tests import helpers
 
 PARITY_STEPS = 5
 IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program is cached

@@ -14,7 +14,7 @@ from jaxpar import launch as L
 from jaxpar.mesh import AXES, BATCH_AXES, HOST_AXES, batch_ways
 from jaxpar.rundir import ENV_RUN_LOCK
 
-THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
 @dataclass

@@ -17,10 +17,9 @@ from pathlib import Path
 import psutil
 
 from jaxpar.metrics import read_jsonl
-from tests.helpers import SMALL, losses
+from tests.helpers import SMALL, XLA_TEST_FLAGS, losses
 
 REPO = Path(__file__).resolve().parents[2]
-THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list[str]:
@@ -86,7 +85,7 @@ def fake_cmd(tmp_path: Path, mode: str, steps: int) -> list[str]:
 
 def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
-    env["XLA_FLAGS"] = THREADS
+    env["XLA_FLAGS"] = XLA_TEST_FLAGS
     env["PYTHONPATH"] = str(REPO)
     if os.environ.get("JAXPAR_TEST_LOCAL_DIR"):  # local snapshots in the session's temp dir
         env["JAXPAR_LOCAL_DIR"] = os.environ["JAXPAR_TEST_LOCAL_DIR"]

@@ -23,6 +23,7 @@ import pytest
 from jaxpar import data as data_lib
 from jaxpar import step as step_lib
 from jaxpar.config import apply_overrides
+from tests import helpers
 
 BF16 = ["precision.compute=bfloat16"]
 LOSS_RTOL_BF16 = 2e-2
@@ -146,10 +147,7 @@ print("RESULT " + json.dumps(out))
 
 def _child(jp, layout: str, *sets: str) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false "
-        "intra_op_parallelism_threads=1"
-    )
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {helpers.XLA_TEST_FLAGS}"
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, layout, *sets], cwd=jp.REPO, env=env, capture_output=True,
         text=True, timeout=900,

@@ -187,6 +187,9 @@ def test_worker_env():
     assert env[launch.ENV_FAULTS] == "kill@3;hang@5"
     assert env["XLA_FLAGS"].startswith("--xla_dump_to=/tmp/d ")
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+    # XLA silently ignores every flag after a token that is not `--name[=value]`, so one stray
+    # word would disable the collective timeout the worker appends later.
+    assert all(f.startswith("--xla_") for f in env["XLA_FLAGS"].split()), env["XLA_FLAGS"]
     assert env["JAX_LOCAL_DEVICE_IDS"] == "4,5"
     assert env[launch.ENV_COLLECTIVE_TIMEOUT] == "90"
 

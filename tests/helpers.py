@@ -22,13 +22,14 @@ from pathlib import Path
 from jaxpar.metrics import last_per_step, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-# XLA flags of every test process (and its subprocesses): single-threaded CPU ops (8 simulated
+# XLA flags of the test processes (and their subprocesses): single-threaded CPU ops (8 simulated
 # devices share a couple of cores) and a CPU backend that compiles 2-4x faster (LLVM unoptimised,
-# the classic fusion emitters) at some cost in step time, for programs that run a few steps of
-# tiny models. Runs that a test compares always share them.
+# the classic fusion emitters) while its steps run 2-4x slower: right for the many programs that
+# run a few steps (or a few steps of the small model). Runs of many full-size steps use
+# XLA_OPT_FLAGS (`cpu_env(fast_compile=False)`). Runs that a test compares always share them.
+XLA_OPT_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 XLA_TEST_FLAGS = (
-    "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-    "--xla_cpu_use_fusion_emitters=false"
+    f"{XLA_OPT_FLAGS} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 )
 CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
 LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snapshot tier root
@@ -37,9 +38,12 @@ LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snap
 SMALL = ("--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128")
 
 
-def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
+def cpu_env(
+    devices: int | None = 8, cache: bool = True, fast_compile: bool = True
+) -> dict[str, str]:
     """os.environ without JAXPAR_* variables, with XLA_FLAGS for `devices` simulated CPU devices
-    (None: no device count, as `jaxpar launch` workers get) and the tests' XLA flags.
+    (None: no device count, as `jaxpar launch` workers get) and the tests' XLA flags
+    (XLA_OPT_FLAGS where not `fast_compile`).
 
     cache: use the session's persistent compilation cache, every program cached however fast it
     compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, ..._MIN_ENTRY_SIZE_BYTES=-1), and
@@ -47,7 +51,7 @@ def cpu_env(devices: int | None = 8, cache: bool = True) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
-    env["XLA_FLAGS"] = " ".join([*count, XLA_TEST_FLAGS])
+    env["XLA_FLAGS"] = " ".join([*count, XLA_TEST_FLAGS if fast_compile else XLA_OPT_FLAGS])
     if os.environ.get(LOCAL_ENV):  # local snapshots in the session's temp dir, not /dev/shm
         env["JAXPAR_LOCAL_DIR"] = os.environ[LOCAL_ENV]
     if cache and os.environ.get(CACHE_ENV):

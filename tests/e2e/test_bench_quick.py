@@ -10,15 +10,16 @@ import sys
 
 import pytest
 
-from tests.helpers import ok, run
+from tests.helpers import cpu_env, ok, run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def bench(suite: str, out: str, *args: str, timeout: float = 900) -> dict:
+def bench(suite: str, out: str, *args: str, timeout: float = 900, fast_compile=True) -> dict:
     """`jaxpar bench SUITE --quick --out OUT [ARGS]` on 8 simulated devices; returns SUITE.json."""
     cmd = [sys.executable, "-m", "jaxpar.cli", "bench", suite, "--quick", "--out", out, *args]
-    text = ok(run(cmd, timeout=timeout, merge=True)).stdout
+    env = cpu_env(fast_compile=fast_compile)
+    text = ok(run(cmd, env=env, timeout=timeout, merge=True)).stdout
     assert "|---" in text  # the markdown table is printed
     path = os.path.join(out, f"{suite}.json")
     assert f"\nwrote {path}\n" in text  # and where its JSON went
@@ -32,7 +33,7 @@ def _positive(x) -> bool:
 
 @pytest.mark.slow
 def test_bench_overhead_quick(tmp_path):
-    r = bench("overhead", str(tmp_path))
+    r = bench("overhead", str(tmp_path), fast_compile=False)  # timed steps: optimised code
     assert r["suite"] == "overhead" and r["devices"] == 8
     assert _positive(r["ratio"])  # top-level ratio: jaxpar step / plain jax.jit step
     assert _positive(r["median_step_s_jaxpar"]) and _positive(r["median_step_s_plain"])

@@ -9,6 +9,8 @@ import os
 import nbformat
 import pytest
 
+from tests.helpers import XLA_OPT_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK = os.path.join(REPO, "train", "demo.ipynb")
 
@@ -31,6 +33,8 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXPAR_DEMO_AUDIT", "0")
     monkeypatch.setenv("JAXPAR_DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    # gpt_small's steps: optimised code pays (tests.helpers.XLA_TEST_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_OPT_FLAGS}")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(
         nb, timeout=1500, kernel_name="python3",

@@ -28,9 +28,9 @@ WAIT = 600  # seconds a whole supervised run may take on a loaded 2-core machine
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """The uninterrupted run; process 1 sleeps 1 s per step from step 3 (a straggler, which
-    changes no number)."""
-    run = Launch(tmp_path_factory.mktemp("sup") / "ref", [*NPROC, "--fault",
+    """The uninterrupted run (no spares: it never restarts); process 1 sleeps 1 s per step from
+    step 3 (a straggler, which changes no number)."""
+    run = Launch(tmp_path_factory.mktemp("sup") / "ref", [*NPROC, "--no-spares", "--fault",
                  "slow@3:process=1:seconds=1.0"], train_cmd(STEPS, EVERY))  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()

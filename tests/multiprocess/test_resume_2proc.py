@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.checkpoint import EXIT_PREEMPTED
-from tests.helpers import XLA_TEST_FLAGS, assert_exact, events, losses
+from tests.helpers import XLA_OPT_FLAGS, assert_exact, events, losses
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,8 @@ class Pair:
         for i in range(2):
             env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
             env.update(
-                XLA_FLAGS=XLA_TEST_FLAGS, JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+                XLA_FLAGS=XLA_OPT_FLAGS,  # 30 full-size steps: optimised code pays
+                JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                 JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="4",
                 JAXPAR_HEARTBEAT_TIMEOUT_S="10", JAX_COMPILATION_CACHE_DIR=str(cache),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

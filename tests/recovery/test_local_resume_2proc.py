@@ -35,8 +35,8 @@ def _cmd():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    run = Launch(tmp_path_factory.mktemp("local2") / "ref",
-                 ["--nproc", "2", "--devices-per-proc", "2"], _cmd())  # fmt: skip
+    run = Launch(tmp_path_factory.mktemp("local2") / "ref",  # never restarts: no spares
+                 ["--nproc", "2", "--devices-per-proc", "2", "--no-spares"], _cmd())  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
     finally:

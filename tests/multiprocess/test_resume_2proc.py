@@ -1,6 +1,8 @@
 """Two processes x 4 CPU devices under jax.distributed (gloo): exact resume after a real SIGKILL
 of one worker, a coordinated preemption save after SIGTERM to one worker, and the replica check
-catching one process's diverged parameters.
+catching one process's diverged parameters. The model is helpers.SMALL (gpt_tiny made smaller: the
+point is the processes, not the model); a `slow` fault on process 0 paces both workers at one step
+every STRAGGLE_S seconds from the step where a signal is sent, so that it lands between two saves.
 
 Workers are started here with the environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
 JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID, JAXPAR_DEVICES_PER_PROC; XLA_FLAGS sets no device
@@ -22,12 +24,13 @@ from pathlib import Path
 import pytest
 
 from jaxpar.checkpoint import EXIT_PREEMPTED
-from tests.helpers import XLA_OPT_FLAGS, assert_exact, events, losses
+from tests.helpers import SMALL, XLA_TEST_FLAGS, assert_exact, events, losses
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_REPLICA = 45  # train/__main__.py
+STRAGGLE_S = 2.0  # process 0 sleeps this long before every step from the `slow` fault's step
 
 
 def free_port() -> int:
@@ -37,21 +40,23 @@ def free_port() -> int:
 
 
 class Pair:
-    """Two `python -m train` workers of one 2-process job (gpt_tiny, 30 steps, saves every 10)."""
+    """Two `python -m train` workers of one 2-process job (SMALL gpt_tiny, 30 steps, saves every
+    10)."""
 
     def __init__(self, run_dir: Path, cache: Path, *args: str, faults=()):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cmd = [sys.executable, "-m", "train", "--steps", "30", "--run-dir", str(run_dir)]
-        cmd += ["--no-progress", "--set", "ckpt.every=10", "--set", "ckpt.local_every=0", *args]
+        cmd += ["--no-progress", "--set", "ckpt.every=10", "--set", "ckpt.local_every=0"]
+        cmd += [*SMALL, *args]
         for f in faults:
             cmd += ["--fault", f]
         self.procs, self.logs = [], []
         for i in range(2):
             env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
             env.update(
-                XLA_FLAGS=XLA_OPT_FLAGS,  # 30 full-size steps: optimised code pays
+                XLA_FLAGS=XLA_TEST_FLAGS,
                 JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                 JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="4",
                 JAXPAR_HEARTBEAT_TIMEOUT_S="10", JAX_COMPILATION_CACHE_DIR=str(cache),
@@ -127,7 +132,7 @@ def reference(tmp_path_factory, cache):
 
 def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path, cache):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, cache)
+    pair = Pair(run_dir, cache, faults=[f"slow@14:process=0:seconds={STRAGGLE_S}"])
     pair.wait_for(lambda: committed(run_dir) == [10] and max(losses(run_dir) or [0]) >= 13)
     os.kill(pair.procs[1].pid, signal.SIGKILL)  # a real kill -9 of worker 1, between saves
     try:
@@ -147,7 +152,7 @@ def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path, cache):
 
 def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path, cache):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, cache)
+    pair = Pair(run_dir, cache, faults=[f"slow@13:process=0:seconds={STRAGGLE_S}"])
     pair.wait_for(lambda: max(losses(run_dir) or [0]) >= 12)
     os.kill(pair.procs[1].pid, signal.SIGTERM)  # the preemption notice, to worker 1 only
     codes = pair.wait()

@@ -71,32 +71,32 @@ IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program
 # addresses (never two at once). Every other module is a group of its own (module fixtures built
 # once), unless a test names its group (`pytest.mark.xdist_group`). The longest groups start
 # first so that no worker is left with a long tail: seconds per group from `pytest
-# --durations=0` on a 2-core machine (3 workers), rounded (a wrong figure only changes the order).
+# --durations=0` on a 2-core machine (4 workers), rounded (a wrong figure only changes the order).
 CLUSTER = "cluster"
 # test_pipeline.py's tests that run in child processes form a group of their own (the module's
 # two halves run on two workers).
 PIPELINE_CHILDREN = "sharding/test_pipeline.py:children"
 LONGEST_FIRST = {
-    "faults/test_checkpoint_faults.py": 610,
-    CLUSTER: 540,
-    "e2e/test_bench_recovery.py": 500,
-    "multiprocess/test_resume_2proc.py": 460,
-    "data/test_data_e2e.py": 440,
-    PIPELINE_CHILDREN: 440,
-    "sharding/test_comm.py": 420,
-    "e2e/test_bench_quick.py": 410,
-    "faults/test_supervisor.py": 360,
-    "e2e/test_notebook.py": 320,
-    "recovery/test_local_resume_2proc.py": 290,
-    "sharding/test_precision.py": 280,
-    "sharding/test_parity.py": 240,
+    "e2e/test_bench_recovery.py": 750,
+    "faults/test_checkpoint_faults.py": 550,
+    CLUSTER: 470,
+    "e2e/test_bench_quick.py": 330,
+    "e2e/test_notebook.py": 300,
+    "sharding/test_precision.py": 300,
+    "multiprocess/test_resume_2proc.py": 280,
+    "sharding/test_parity.py": 270,
+    "faults/test_supervisor.py": 270,
     "sharding/test_pipeline.py": 240,
-    "sharding/test_reshard.py": 200,
-    "userproj/test_userproj.py": 150,
-    "recovery/test_standby_teardown.py": 110,
-    "hardening/test_hardening_disk_midsave.py": 100,
-    "multiprocess/test_multinode.py": 100,
-    "hardening/test_hardening_process.py": 90,
+    "data/test_data_e2e.py": 240,
+    PIPELINE_CHILDREN: 230,
+    "recovery/test_local_resume_2proc.py": 210,
+    "sharding/test_reshard.py": 110,
+    "userproj/test_userproj.py": 110,
+    "recovery/test_standby_teardown.py": 100,
+    "sharding/test_comm.py": 100,
+    "e2e/test_install.py": 100,
+    "e2e/test_train_cli.py": 60,
+    "hardening/test_hardening_process.py": 60,
 }
 
 

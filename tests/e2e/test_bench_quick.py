@@ -62,7 +62,8 @@ def test_bench_meshes_quick(tmp_path):
 
 @pytest.mark.slow
 def test_bench_pipeline_quick(tmp_path):
-    r = bench("pipeline", str(tmp_path))
+    # narrower layers (the bench sets 8 of them): the schedules and the fit are the point here
+    r = bench("pipeline", str(tmp_path), "--set", "model.d_model=64", "--set", "model.d_mlp=128")
     rows = r["rows"]
     assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
         (2, m, s) for m in (1, 2, 4) for s in ("gpipe", "circular")

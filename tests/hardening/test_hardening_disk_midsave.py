@@ -16,7 +16,8 @@ from jaxpar import save_watch
 from jaxpar.checkpoint import TMP_SUFFIX, is_disk_full
 from tests.multiprocess.launch_util import Launch, train_cmd
 
-NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2"]
+# no restart happens here (a full disk stops the job): no spares
+NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2", "--no-spares"]
 FILL_AT = 3  # the save of this step is the one the other writer breaks
 
 

@@ -13,7 +13,8 @@ from tests.multiprocess.launch_util import Launch, losses, train_cmd
 
 pytestmark = pytest.mark.slow
 
-NPROC = ["--nproc", "2", "--devices-per-proc", "1", "--backoff", "0.2"]
+# no restart happens here (a full disk stops the job): no spares
+NPROC = ["--nproc", "2", "--devices-per-proc", "1", "--backoff", "0.2", "--no-spares"]
 
 
 def committed(run_dir) -> list[int]:

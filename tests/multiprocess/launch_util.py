@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from jaxpar.metrics import read_jsonl
-from tests.helpers import SMALL, XLA_TEST_FLAGS, losses
+from tests.helpers import SMALL, cpu_env, losses
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,11 +84,11 @@ def fake_cmd(tmp_path: Path, mode: str, steps: int) -> list[str]:
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
-    env["XLA_FLAGS"] = XLA_TEST_FLAGS
+    """helpers.cpu_env without a device count (the supervisor gives each worker its devices): the
+    tests' XLA flags, the session's local snapshot root and compiled-program caches (a job's
+    first incarnation loads what another test's job compiled), and the checkout on PYTHONPATH."""
+    env = cpu_env(devices=None)
     env["PYTHONPATH"] = str(REPO)
-    if os.environ.get("JAXPAR_TEST_LOCAL_DIR"):  # local snapshots in the session's temp dir
-        env["JAXPAR_LOCAL_DIR"] = os.environ["JAXPAR_TEST_LOCAL_DIR"]
     return env
 
 

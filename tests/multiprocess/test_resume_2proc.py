@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.checkpoint import EXIT_PREEMPTED
-from tests.helpers import SMALL, XLA_TEST_FLAGS, assert_exact, events, losses
+from tests.helpers import SMALL, assert_exact, cpu_env, events, losses
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ class Pair:
     """Two `python -m train` workers of one 2-process job (SMALL gpt_tiny, 30 steps, saves every
     10)."""
 
-    def __init__(self, run_dir: Path, cache: Path, *args: str, faults=()):
+    def __init__(self, run_dir: Path, *args: str, faults=()):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -54,13 +54,11 @@ class Pair:
             cmd += ["--fault", f]
         self.procs, self.logs = [], []
         for i in range(2):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+            env = cpu_env(devices=None)  # the tests' flags and the session's compile caches
             env.update(
-                XLA_FLAGS=XLA_TEST_FLAGS,
                 JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                 JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="4",
-                JAXPAR_HEARTBEAT_TIMEOUT_S="10", JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAXPAR_HEARTBEAT_TIMEOUT_S="10",
             )  # fmt: skip
             log = open(run_dir.parent / f"{run_dir.name}.p{i}.{time.time():.0f}.log", "w")
             self.logs.append(log)
@@ -108,21 +106,16 @@ def committed(run_dir) -> list[int]:
     return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
-def run_pair(run_dir, cache, *args, faults=(), expect=(0, 0)) -> None:
-    pair = Pair(run_dir, cache, *args, faults=faults)
+def run_pair(run_dir, *args, faults=(), expect=(0, 0)) -> None:
+    pair = Pair(run_dir, *args, faults=faults)
     codes = pair.wait()
     assert tuple(codes) == tuple(expect), f"exit codes {codes}:\n{pair.tail()}"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "jax-cache-2proc"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
+def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref2") / "run"
-    run_pair(run_dir, cache)
+    run_pair(run_dir)
     ref = losses(run_dir)
     assert sorted(ref) == list(range(1, 31)) and committed(run_dir) == [10, 20, 30]
     (start,) = events(run_dir, "start")
@@ -130,9 +123,9 @@ def reference(tmp_path_factory, cache):
     return ref
 
 
-def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path, cache):
+def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, cache, faults=[f"slow@14:process=0:seconds={STRAGGLE_S}"])
+    pair = Pair(run_dir, faults=[f"slow@14:process=0:seconds={STRAGGLE_S}"])
     pair.wait_for(lambda: committed(run_dir) == [10] and max(losses(run_dir) or [0]) >= 13)
     os.kill(pair.procs[1].pid, signal.SIGKILL)  # a real kill -9 of worker 1, between saves
     try:
@@ -144,15 +137,15 @@ def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path, cache):
     assert survivor not in (None, 0), f"the survivor should have failed:\n{pair.tail()}"
     killed_at = max(losses(run_dir))
     assert 13 <= killed_at < 20 and committed(run_dir) == [10]
-    run_pair(run_dir, cache)
+    run_pair(run_dir)
     (restore,) = events(run_dir, "restore")
     assert (restore["step"], restore["from_nproc"], restore["to_nproc"]) == (10, 2, 2)
     assert_exact(run_dir, reference)
 
 
-def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path, cache):
+def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, cache, faults=[f"slow@13:process=0:seconds={STRAGGLE_S}"])
+    pair = Pair(run_dir, faults=[f"slow@13:process=0:seconds={STRAGGLE_S}"])
     pair.wait_for(lambda: max(losses(run_dir) or [0]) >= 12)
     os.kill(pair.procs[1].pid, signal.SIGTERM)  # the preemption notice, to worker 1 only
     codes = pair.wait()
@@ -161,14 +154,14 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path, 
     assert sorted(e["process"] for e in pre) == [0, 1]
     (step,) = {e["step"] for e in pre}
     assert step >= 12 and step in committed(run_dir)
-    run_pair(run_dir, cache)
+    run_pair(run_dir)
     assert events(run_dir, "restore")[0]["step"] == step
     assert_exact(run_dir, reference)
 
 
-def test_diverged_replica_on_one_process_is_reported(tmp_path, cache):
+def test_diverged_replica_on_one_process_is_reported(tmp_path):
     run_dir = tmp_path / "run"
-    run_pair(run_dir, cache, faults=["diverge@5:process=1"], expect=(EXIT_REPLICA, EXIT_REPLICA))
+    run_pair(run_dir, faults=["diverge@5:process=1"], expect=(EXIT_REPLICA, EXIT_REPLICA))
     (fired,) = events(run_dir, "fault_injected")
     assert (fired["kind"], fired["process"], fired["step"]) == ("diverge", 1, 5)
     (bad,) = events(run_dir, "replica_mismatch")

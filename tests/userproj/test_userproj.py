@@ -152,7 +152,7 @@ def test_own_entrypoint_under_jaxpar_launch(project, reference):
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(project)) if p)
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--devices-per-proc",
-           "4", "--run-dir", str(run_dir), "--", sys.executable, "-m", "my_project.train",
+           "4", "--no-spares", "--run-dir", str(run_dir), "--", sys.executable, "-m", "my_project.train",
            "--mesh", "data=2,tensor=4", "--steps", "4"]  # fmt: skip
     rc, out = _run(cmd, project, env, timeout=900, run_dir=run_dir)
     assert rc == 0, out[-4000:]

@@ -158,7 +158,11 @@ def test_survivor_exits_43_at_once_when_a_peer_dies():
     (rc0, text0), (rc1, _) = _run(PEER_DIES, envs)
     t_end = time.time()
     assert rc1 == -signal.SIGKILL
-    assert rc0 == EXIT_COLLECTIVE, text0[-3000:]
+    # the guard turns the failed collective into exit 43; under heavy load jax's coordination
+    # service may see the dead peer first and abort the survivor itself (SIGABRT, its message in
+    # the log). Either way the survivor ends at once instead of waiting out the timeouts.
+    aborted = rc0 == -signal.SIGABRT and "JAX distributed service detected fatal errors" in text0
+    assert rc0 == EXIT_COLLECTIVE or aborted, text0[-3000:]
     t0 = float(text0[text0.index("T0 ") :].split()[1])
     # far below the 120 s heartbeat / collective timeouts jax would otherwise wait for
     assert t_end - t0 < 60, t_end - t0

@@ -29,6 +29,9 @@ made smaller, synchronous saves so that a save is committed before the kill), re
    job's first start-up and compile, which a long job pays once; `time_lost_s` is summary.json's
    split of the rest by cause.
 
+The jobs' workers get XLA_FLAGS as set for the benchmark, less a host device count (the
+supervisor gives each worker DEVICES); recovery.json records them.
+
 Writes OUT_DIR/recovery.json and prints markdown tables. Timings depend on the machine's load:
 compare the two restart paths measured in the same run, not figures from different runs.
 """
@@ -57,6 +60,7 @@ from jaxpar.metrics import read_jsonl
 from jaxpar.runlog import PHASES, S, W
 
 DEVICES = 2  # CPU devices per process
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # The hang path's timeout: above SLOW_S plus a step slowed by a standby group being built on the
 # same cores (a worker waiting for a `slow` peer makes no progress either).
 HANG_TIMEOUT_S = 12
@@ -101,7 +105,11 @@ def _command(recipe: str, steps: int, every: int, overrides: list[str]) -> list[
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
-    env.pop("XLA_FLAGS", None)  # the supervisor gives each worker its devices and threads
+    # the supervisor gives each worker its devices (and threads, unless XLA_FLAGS sets them);
+    # the user's other XLA flags reach the workers
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     # jax's own persistent cache off in both paths (it serves process 0 only): a fair baseline
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
@@ -396,6 +404,7 @@ def run(b: Bench) -> dict:
         "overrides": overrides,
         "nproc": p["nproc"],
         "devices_per_proc": DEVICES,
+        "xla_flags": _env().get("XLA_FLAGS", ""),
         "paths": modes,
         "recovery": rec,
         "recovery_s": fast["recovery_s"],

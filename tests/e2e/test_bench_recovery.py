@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from jaxpar import bench_recovery
-from tests.helpers import cpu_env, ok, run
+from tests.helpers import XLA_TEST_FLAGS, cpu_env, ok, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -29,12 +29,14 @@ def test_bench_recovery_quick(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    # from outside the checkout, as an installed user runs it (its jobs must not need `train`)
+    # from outside the checkout, as an installed user runs it (its jobs must not need `train`);
+    # the tests' XLA flags reach the jobs' workers (fast compiles), their device count does not
     text = ok(run(args, env=cpu_env(devices=None), timeout=1700, merge=True, cwd=tmp_path)).stdout
     assert "| restart path |" in text and "| failure every |" in text
     with open(os.path.join(tmp_path, "recovery.json")) as f:
         r = json.load(f)
     assert r["suite"] == "recovery" and r["nproc"] == 2 and r["devices_per_proc"] == 2  # quick: 2
+    assert r["xla_flags"] == XLA_TEST_FLAGS
     cold, persistent, fast, standby, hang = r["recovery"]
     modes = ("cold", "persistent", "local", "standby", "standby-hang")
     assert tuple(m["mode"] for m in r["recovery"]) == modes

@@ -42,11 +42,26 @@ class OtherWriter(threading.Thread):
             saving = [n for n in names if TMP_SUFFIX in n and n.split(".")[0].isdigit()]
             saving = [n for n in saving if int(n.split(".")[0]) >= self.at]
             if saving:
-                st = os.statvfs(self.ckpt_dir)
-                with open(self.path, "wb") as f:
-                    f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - self.leave))
                 self.filled = saving[0]
+                self._fill()
                 return
+
+    def _fill(self) -> None:
+        """Write until `leave` bytes are free. The save goes on writing meanwhile: where it took
+        the room first (ENOSPC), give `leave` bytes back."""
+        st = os.statvfs(self.ckpt_dir)
+        want = max(0, st.f_bavail * st.f_frsize - self.leave)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        written = 0
+        try:
+            while written < want:
+                written += os.write(fd, b"\0" * min(1 << 20, want - written))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            os.ftruncate(fd, max(0, written - self.leave))
+        finally:
+            os.close(fd)
 
 
 def committed(run_dir) -> list[int]:

@@ -34,8 +34,8 @@ def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list
 
 # A worker without jax that follows the worker contract: heartbeats via jaxpar.launch, metrics
 # and events through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its
-# stack. Argv: MODE STEPS; modes: train, crash (process 1 exits 3 at step 2), hang (process 1
-# stops at step 3 in incarnation 0), usage (exit 2).
+# stack. Argv: MODE STEPS; modes: train, crash (process 1 exits 3 at step 2, once its peers wait
+# there), hang (process 1 stops at step 3 in incarnation 0), usage (exit 2).
 FAKE_WORKER = """
 import os, signal, sys, time
 from jaxpar import launch
@@ -55,16 +55,18 @@ def stuck_here():
     while True:
         time.sleep(3600)
 
-def collective(step):  # like an all-reduce: nobody passes step until everyone arrived there
+def collective(step, others=False):  # like an all-reduce: nobody passes step until all arrived
     n = int(os.environ["JAXPAR_NUM_PROCESSES"])
+    peers = [q for q in range(n) if not (others and q == p)]
     while True:
-        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in range(n)]
+        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in peers]
         if all(h and h["incarnation"] == inc and h["step"] >= step for h in hbs):
             return
         time.sleep(0.01)
 
 for step in range(steps):
     if mode == "crash" and p == 1 and step == 2:
+        collective(step, others=True)  # dies where its peers wait for it: the same step each time
         sys.exit(3)
     if mode == "hang" and p == 1 and step == 3 and inc == 0:
         stuck_here()

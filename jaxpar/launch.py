@@ -20,6 +20,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -267,6 +268,16 @@ def distributed_active() -> bool:
     return distributed.global_state.client is not None
 
 
+# An XLA status as jax raises it outside JaxRuntimeError: with one device per process a gloo
+# collective whose peer died fails with "ValueError: UNKNOWN: Gloo AllGather failed: ...
+# Connection closed by peer" (jax 0.10; with several local devices it is a JaxRuntimeError).
+_XLA_STATUS_ERROR = re.compile(
+    r"^(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED|FAILED_PRECONDITION): "
+    r".*(Gloo|gloo|[Cc]ollective|[Cc]oordination)",
+    re.DOTALL,
+)
+
+
 def is_collective_error(exc: BaseException) -> bool:
     """A runtime error from XLA (gloo, the coordination service): in a multi-process job it
     means a peer is gone or the job is being torn down."""
@@ -274,7 +285,9 @@ def is_collective_error(exc: BaseException) -> bool:
         import jax
     except ImportError:
         return False
-    return isinstance(exc, jax.errors.JaxRuntimeError)
+    if isinstance(exc, jax.errors.JaxRuntimeError):
+        return True
+    return isinstance(exc, (ValueError, RuntimeError)) and bool(_XLA_STATUS_ERROR.match(str(exc)))
 
 
 @contextlib.contextmanager

@@ -215,6 +215,22 @@ def test_guard_reraises_outside_a_distributed_job():
     assert launch.run_worker(lambda: None) == 0
 
 
+def test_collective_errors_recognised_whatever_their_python_type():
+    import jax
+
+    assert launch.is_collective_error(jax.errors.JaxRuntimeError("INTERNAL: anything"))
+    # one device per process: jax raises gloo's failure as a ValueError
+    gloo = (
+        "UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:547] Connection closed by peer"
+    )
+    assert launch.is_collective_error(ValueError(gloo))
+    assert launch.is_collective_error(RuntimeError("UNAVAILABLE: coordination service is gone"))
+    # the user's own errors stay errors (exit 1, the root cause)
+    assert not launch.is_collective_error(ValueError("batch 6 is not divisible by data=4"))
+    assert not launch.is_collective_error(RuntimeError("INTERNAL: loss function failed"))
+    assert not launch.is_collective_error(KeyError("Gloo"))
+
+
 def test_event_tail_skips_torn_line(tmp_path):
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "a"}\n')

@@ -77,7 +77,7 @@ FULL = {
     "nproc": 4,
     "standby_slow_s": 5.0,
 }
-QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (15.0,), "goodput_paths": ("standby",),
+QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (10.0,), "goodput_paths": ("standby",),
          "cycles": 1, "nproc": 2, "standby_slow_s": 20.0}  # fmt: skip
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),

@@ -30,20 +30,22 @@ JOB_TIMEOUT = 900  # a loaded 2-core machine compiles slowly; the jobs themselve
 # gloo's first rendezvous (30 s) for peers still compiling on a loaded machine, and fails.
 
 
-def job_env(run_dir) -> dict[str, str]:
+def job_env(run_dir, launch_args: str = "") -> dict[str, str]:
     """The submitting shell's environment: the script's CPU parameters, nothing edited."""
     env = cpu_env(devices=None, cache=False)
     env.update({
         "SBATCH_GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2", "DEVICES_PER_PROC": "2",
-        "RUN_DIR": str(run_dir), "PYTHON": sys.executable,
+        "RUN_DIR": str(run_dir), "PYTHON": sys.executable, "JAXPAR_LAUNCH_ARGS": launch_args,
     })  # fmt: skip
     return env
 
 
-def submit(slurm, run_dir, *train_args: str) -> int:
+def submit(slurm, run_dir, *train_args: str, launch_args: str = "") -> int:
+    """`launch_args`: the script's JAXPAR_LAUNCH_ARGS, e.g. --no-spares for a job whose group is
+    never restarted inside the allocation (its spares would only cost CPU)."""
     out = f"{run_dir}.out"
-    return slurm.sbatch(["--output", out, SCRIPT, *TRAIN, *train_args], env=job_env(run_dir),
-                        cwd=REPO)  # fmt: skip
+    return slurm.sbatch(["--output", out, SCRIPT, *TRAIN, *train_args],
+                        env=job_env(run_dir, launch_args), cwd=REPO)  # fmt: skip
 
 
 def finished(slurm, job: int, run_dir, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
@@ -71,7 +73,7 @@ def reference(slurm, tmp_path_factory):
     """An uninterrupted `sbatch` run: (run dir, job info, seconds)."""
     run_dir = tmp_path_factory.mktemp("sbatch") / "reference"
     t0 = time.time()
-    job = submit(slurm, run_dir)
+    job = submit(slurm, run_dir, launch_args="--no-spares")
     info = finished(slurm, job, run_dir)
     return run_dir, info, time.time() - t0
 
@@ -109,7 +111,10 @@ def test_sbatch_scancel_term_saves_requeues_and_finishes(slurm, reference, tmp_p
     run_dir = tmp_path / "preempted"
     t0 = time.time()
     # process 0 sleeps 0.5 s per step so that the notice lands mid-run on any machine
-    job = submit(slurm, run_dir, "--fault", "slow@2:process=0:seconds=0.5")
+    # (no spares: the notice ends the job, and the requeued job starts its group cold)
+    job = submit(
+        slurm, run_dir, "--fault", "slow@2:process=0:seconds=0.5", launch_args="--no-spares"
+    )
     deadline = time.time() + JOB_TIMEOUT
     while max(losses(run_dir), default=0) < 2:
         assert time.time() < deadline, f"no step 2 in {JOB_TIMEOUT}s\n{_read(f'{run_dir}.out')}"

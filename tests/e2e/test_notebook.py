@@ -9,7 +9,7 @@ import os
 import nbformat
 import pytest
 
-from tests.helpers import XLA_OPT_FLAGS
+from tests.helpers import SMALL, XLA_OPT_FLAGS, XLA_TEST_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK = os.path.join(REPO, "train", "demo.ipynb")
@@ -30,6 +30,9 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setenv("JAXPAR_DEMO_STEPS", "2")  # gpt_small: compile, 2 steps, a loss plot
     monkeypatch.setenv("JAXPAR_DEMO_RECOVERY_STEPS", "6")  # checkpoint every 2, kill at 5
+    # the recovery job's gpt_tiny made smaller (SMALL): its story, not its model, is the point
+    monkeypatch.setenv("JAXPAR_DEMO_RECOVERY_SET", " ".join(SMALL[1::2]))
+    monkeypatch.setenv("JAXPAR_DEMO_RECOVERY_XLA_FLAGS", XLA_TEST_FLAGS)  # a few small steps
     monkeypatch.setenv("JAXPAR_DEMO_AUDIT", "0")
     monkeypatch.setenv("JAXPAR_DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -50,6 +53,7 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch):
     )
     assert "8 x cpu (cpu)" in text  # 8 simulated devices
     rec = tmp_path / "demo-recovery"
+    assert json.loads((rec / "config.json").read_text())["model"]["n_layers"] == 1  # SMALL
     events = [json.loads(line) for line in open(rec / "events.jsonl")]
     starts = [e for e in events if e["event"] == "start"]
     assert len(starts) == 2, [e["event"] for e in events]

@@ -66,7 +66,8 @@ def _port() -> int:
 
 
 def _two_nodes(run_dir: Path, roots: list[Path], faults: list[str]) -> list[Launch]:
-    common = ["--nproc", "1", "--devices-per-proc", "2", "--nnodes", "2",
+    # no spares: neither job restarts a group (the first dies with its host, the second finishes)
+    common = ["--nproc", "1", "--devices-per-proc", "2", "--nnodes", "2", "--no-spares",
               "--coordinator", f"127.0.0.1:{_port()}"]  # fmt: skip
     agents = []
     for rank, root in enumerate(roots):

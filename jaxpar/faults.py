@@ -9,7 +9,8 @@ Specs (`--fault SPEC`, repeatable; `JAXPAR_FAULTS` carries the same specs `;`-se
     diverge@S[:process=P]            perturbs that process's replica of the parameters
     killsave@S                       SIGKILL after the step-S checkpoint wrote its arrays, before commit
     corrupt@S                        flips a byte inside an array file of the newest committed checkpoint
-    slow@S:process=P:seconds=X       every step from S sleeps X seconds
+    slow@S:process=P:seconds=X       every step from S sleeps X seconds (an incarnation that
+                                     restored past S sleeps from its first step, with :repeat)
     killsnap@S[:process=P]           SIGKILL after the local snapshot of step S wrote its data,
                                      before its commit marker (a torn snapshot)
     losthost@S:node=N                node N is lost: its local snapshot tier is deleted, its agent
@@ -162,9 +163,9 @@ class Faults:
         self.wait_for_saves: Callable[[], None] | None = None
         self.wait_for_snapshot: Callable[[], None] | None = None  # this process's local tier
 
-    def _take(self, kind: str, step: int) -> FaultSpec | None:
-        for s in self.specs:
-            if s.kind == kind and s.step == step:
+    def _take(self, kind: str, step: int, *, since: bool = False) -> FaultSpec | None:
+        for s in self.specs:  # `since`: a spec for an earlier step fires too (a lasting state)
+            if s.kind == kind and (s.step == step or (since and s.step < step)):
                 self.specs.remove(s)
                 self.fired.append(s.text)
                 if s.process == self.process:
@@ -191,7 +192,9 @@ class Faults:
         if self._take("sigterm", at):
             os.kill(os.getpid(), signal.SIGTERM)
             _await_preemption_notice()
-        slow = self._take("slow", at)
+        # every step from S sleeps, also in an incarnation that restored past S (with :repeat;
+        # without it the spec has fired in the incarnation that reached S)
+        slow = self._take("slow", at, since=True)
         if slow is not None:
             self._slow = slow.seconds
         if self._slow:

@@ -358,3 +358,20 @@ def test_faults_fire_once_per_run_dir_and_repeat_every_time(tmp_path):
     other = Faults(parse_all(["nan@5:process=1"]), run, process_index=0)
     assert math.isnan(other.poison(4))
     assert len([e for e in run.events() if e["event"] == "fault_injected"]) == 3
+
+
+def test_slow_sleeps_from_s_and_after_a_restore_past_s(tmp_path, monkeypatch):
+    naps: list[float] = []
+    monkeypatch.setattr("jaxpar.faults.time.sleep", naps.append)
+    for spec, again in (("slow@3:seconds=2:repeat", [2.0, 2.0]), ("slow@3:seconds=1", [])):
+        run_dir = str(tmp_path / spec)
+        first = Faults(parse_all([spec]), RunDir(run_dir), process_index=0)
+        for step in range(5):  # 0-based: @3 is about to start the third step (index 2)
+            first.before_step(step)
+        assert naps == [naps[0]] * 3, spec
+        naps.clear()
+        resumed = Faults(parse_all([spec]), RunDir(run_dir), process_index=0)  # restored at 6
+        resumed.before_step(6)
+        resumed.before_step(7)
+        assert naps == again, spec  # without :repeat the spec fired once, in the first run
+        naps.clear()

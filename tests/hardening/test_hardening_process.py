@@ -42,8 +42,9 @@ def committed(run_dir) -> list[int]:
 def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     run_dir = tmp_path / "run"
     err_path = tmp_path / "err.txt"
-    # each step from 2 sleeps 2 s, so the Ctrl-Cs land inside one step
-    argv = cmd(run_dir, "--set", "ckpt.every=100", steps=60, faults=["slow@2:seconds=2"])
+    # each step from 2 sleeps 2 s, also in the resumed run, so the Ctrl-Cs land inside one step
+    slow = "slow@2:seconds=2:repeat"
+    argv = cmd(run_dir, "--set", "ckpt.every=100", steps=60, faults=[slow])
     with open(err_path, "w") as err:
         proc = start(argv, cpu_env(devices=1), stderr=err)
         try:

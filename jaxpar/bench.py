@@ -75,7 +75,9 @@ class Bench:
         return os.path.join(self.out_dir, name)
 
     def write(self, suite: str, result: dict, table: str) -> dict:
-        """Print the table, write OUT/SUITE.json, print where; returns `result`."""
+        """Print the table, write OUT/SUITE.json (with the --set overrides measured under),
+        print where; returns `result`."""
+        result.setdefault("overrides", list(self.overrides))
         path = self.path(f"{suite}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

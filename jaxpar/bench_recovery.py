@@ -17,9 +17,9 @@ made smaller, synchronous saves so that a save is committed before the kill), re
    `standby-hang` (the same with `--hang-timeout 12`, each failure a `hang@S` fault: a worker
    that stops making progress, detected by its heartbeats). A standby group is built once its
    group has compiled and completed a step; so that it is ready before each failure, process 0
-   of the standby jobs sleeps once, SLOW_STEPS steps before each failure (`slow@S` faults; they
-   fire once, so the steps after a restart are not slowed): SLOW_S (5 s) before a hang, and
-   before a kill 5 s (20 s with --quick). Medians over incidents.
+   of the standby jobs sleeps before each of the SLOW_STEPS steps before a failure (`slow@S`
+   faults; each fires once, so the steps after a restart are not slowed): SLOW_S (5 s) per step
+   before a hang, and before a kill 5 s (20 s with --quick). Medians over incidents.
 2. Goodput under failures every T seconds, per restart path (`local`, the default, and
    `standby`; --quick: `standby` only): the same job for a fixed wall time while the benchmark
    SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then stops it with

@@ -61,6 +61,18 @@ from jaxpar.config import TrainConfig, resolve_recipe
 from jaxpar.mesh import make_mesh
 from jaxpar.rules import Preset
 
+
+def pytest_configure(config):
+    """Compile the checkout's modules once, before the workers start: the suite starts ~600
+    Python processes, and where PYTHONDONTWRITEBYTECODE is set each would compile jaxpar's own
+    modules again (~0.1 s of CPU apiece)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import compileall
+
+    for name in ("jaxpar", "models", "train", "meshes", "tests", "docs"):
+        compileall.compile_dir(os.path.join(REPO, name), quiet=2)
+
 PARITY_STEPS = 5
 IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program is cached
 

@@ -73,6 +73,7 @@ def pytest_configure(config):
     for name in ("jaxpar", "models", "train", "meshes", "tests", "docs"):
         compileall.compile_dir(os.path.join(REPO, name), quiet=2)
 
+
 PARITY_STEPS = 5
 IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program is cached
 

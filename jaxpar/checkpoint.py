@@ -45,7 +45,7 @@ from jaxpar.mesh import REPLICA_AXES
 from jaxpar.metrics import RunDir, write_json
 from jaxpar.runlog import W
 
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's uncommitted-step suffix
+TMP_SUFFIX = runlog.TMP_SUFFIX  # orbax's uncommitted-step suffix
 CORRUPT_SUFFIX = ".corrupt"  # a damaged checkpoint is renamed aside, never deleted
 CHECKSUMS_FILE = "checksums.json"
 
@@ -380,9 +380,7 @@ class Checkpointer:
             self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _uncommitted_dirs(self) -> list[str]:
-        if not os.path.isdir(self.directory):
-            return []
-        return sorted(d for d in os.listdir(self.directory) if TMP_SUFFIX in d)
+        return runlog.uncommitted_saves(self.directory)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
@@ -496,8 +494,7 @@ class Checkpointer:
 
     def discard_uncommitted(self) -> None:
         """Remove the folders of saves that never committed (after a failed save)."""
-        for name in self._uncommitted_dirs():
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        runlog.discard_uncommitted(self.directory)
 
     def close(self) -> None:
         try:

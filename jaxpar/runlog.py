@@ -25,6 +25,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ CONFIG = "config.json"
 SUMMARY = "summary.json"
 INCARNATION = "incarnation"
 CHECKPOINTS = "checkpoints"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # in the name of a checkpoint save that never committed
 COMPILED = "compiled"  # the compiled-program cache
 TENSORBOARD = "tensorboard"
 REPORT = "report"
@@ -268,6 +270,31 @@ def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     path = os.path.abspath(run_dir)
     events = well_formed(read_jsonl(os.path.join(path, EVENTS)), required=("event", "time"))
     return events, well_formed(read_jsonl(os.path.join(path, METRICS)))
+
+
+def uncommitted_saves(ckpt_dir: str) -> list[str]:
+    """Names in a checkpoint directory of saves that never committed (orbax's tmp folders)."""
+    try:
+        return sorted(n for n in os.listdir(ckpt_dir) if TMP_SUFFIX in n)
+    except OSError:
+        return []
+
+
+def discard_uncommitted(ckpt_dir: str) -> list[str]:
+    """Remove the saves that never committed (after a failed save, once nobody can still write
+    them); returns the names removed. A link is removed, never followed."""
+    removed = []
+    for name in uncommitted_saves(ckpt_dir):
+        path = os.path.join(ckpt_dir, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 def last_per_step(lines: list[dict], key: str = "loss") -> dict[int, dict]:

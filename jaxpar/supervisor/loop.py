@@ -147,7 +147,13 @@ class Supervisor:
             if reason is None and out.lost:
                 reason = self._shrink(out.lost)
             if reason is not None:
-                self.event(S.GAVE_UP, reason=reason)
+                extra = {}
+                if out.code == L.EXIT_NO_SPACE:
+                    # Every worker is stopped: free the space the failed save took (the process
+                    # that saw ENOSPC first may not be the one that would have removed it).
+                    ckpt = os.path.join(self.run_dir, runlog.CHECKPOINTS)
+                    extra["discarded"] = runlog.discard_uncommitted(ckpt)
+                self.event(S.GAVE_UP, reason=reason, **extra)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
                 return "gave_up", L.EXIT_NO_SPACE if out.code == L.EXIT_NO_SPACE else 1
             streak += 1

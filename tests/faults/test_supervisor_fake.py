@@ -150,6 +150,29 @@ def test_disk_full_supervisor_stops_with_one_line(tmp_path):
     assert text.count("No space left on device") == 1 and str(run_dir) in text, text
 
 
+def test_disk_full_worker_gives_up_and_the_uncommitted_save_is_removed(tmp_path):
+    """Process 1 sees ENOSPC first (exit 46) while process 0, which would have removed the
+    failed save's folder, waits at the barrier and is stopped: the supervisor gives up with 46
+    and removes the uncommitted folder itself once every worker has stopped; committed
+    checkpoints stay."""
+    committed = tmp_path / "run" / "checkpoints" / "1"
+    committed.mkdir(parents=True)
+    (committed / "data").write_bytes(b"x" * 100)
+    run = _fake(tmp_path, "nospace", 10, "--max-restarts", "5", "--no-spares")
+    try:
+        rc = run.wait(60)
+    finally:
+        run.close()
+    assert rc == 46, run.output()
+    assert [(f["process"], f["code"]) for f in run.events("failure")] == [(1, 46)]
+    (g,) = run.events("gave_up")
+    assert "ran out of disk space" in g["reason"], g
+    assert g["discarded"] == ["2.orbax-checkpoint-tmp"], g
+    assert run.events("restart") == []
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
+    assert (committed / "data").read_bytes() == b"x" * 100
+
+
 def test_second_launch_on_the_same_run_dir_refuses_naming_the_holder(tmp_path):
     env = clean_env()
     env["FAKE_STEP_S"] = "0.1"

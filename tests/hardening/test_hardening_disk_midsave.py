@@ -96,11 +96,13 @@ def test_failed_write_is_raised_while_orbax_still_waits(tmp_path):
 
 @pytest.mark.slow
 def test_launch_disk_filled_mid_save_stops_with_one_line(small_fs, tmp_path):
-    """The disk fills between the free-space check and the end of a save, so process 0's write
-    fails and process 1's succeeds: process 0 exits 46 at once with one line naming ENOSPC and
-    the directory, and the supervisor stops the group — not a wait at orbax's barrier until the
+    """The disk fills between the free-space check and the end of a save, so one process's write
+    fails (usually process 0's: it writes the replicated arrays; on a loaded machine sometimes
+    process 1's metadata): that process exits 46 at once with one line naming ENOSPC and the
+    directory, and the supervisor stops the group — not a wait at orbax's barrier until the
     start-up timeout (600 s), then a "hang". The previous checkpoint stays committed, no
-    temporary folder or 0-byte file is left, and a rerun after freeing the space resumes."""
+    temporary folder or 0-byte file is left (process 0 or, when it was stopped first, the
+    supervisor removes it), and a rerun after freeing the space resumes."""
     run_dir = small_fs / "run"
     filler = small_fs / "other-writer"
     writer = OtherWriter(str(run_dir / "checkpoints"), FILL_AT, 192 << 10, str(filler))

@@ -35,7 +35,8 @@ def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list
 # A worker without jax that follows the worker contract: heartbeats via jaxpar.launch, metrics
 # and events through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its
 # stack. Argv: MODE STEPS; modes: train, crash (process 1 exits 3 at step 2, once its peers wait
-# there), hang (process 1 stops at step 3 in incarnation 0), usage (exit 2).
+# there), hang (process 1 stops at step 3 in incarnation 0), usage (exit 2), nospace (process 1
+# leaves an uncommitted save folder of step 2 and exits 46 there, like a save that hit ENOSPC).
 FAKE_WORKER = """
 import os, signal, sys, time
 from jaxpar import launch
@@ -68,6 +69,12 @@ for step in range(steps):
     if mode == "crash" and p == 1 and step == 2:
         collective(step, others=True)  # dies where its peers wait for it: the same step each time
         sys.exit(3)
+    if mode == "nospace" and p == 1 and step == 2:
+        collective(step, others=True)
+        os.makedirs(f"{run_dir}/checkpoints/2.orbax-checkpoint-tmp/state", exist_ok=True)
+        with open(f"{run_dir}/checkpoints/2.orbax-checkpoint-tmp/state/shard", "wb") as f:
+            f.write(b"x" * 4096)
+        sys.exit(launch.EXIT_NO_SPACE)
     if mode == "hang" and p == 1 and step == 3 and inc == 0:
         stuck_here()
     launch.heartbeat(run_dir, step)

@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import threading
-import time
 from types import SimpleNamespace
 
 import jax
@@ -50,11 +49,16 @@ def _get(addr, step: int) -> tuple[dict, bytes]:
 
 
 def test_request_before_the_token_is_known_is_held_not_refused(server):
-    threading.Timer(0.5, server.met, args=(TOKEN,)).start()
-    t0 = time.time()
+    met = threading.Event()
+
+    def learn_token():
+        met.set()
+        server.met(TOKEN)
+
+    threading.Timer(0.5, learn_token).start()
     reply, data = _get(server.addr, 5)
     assert reply["ok"] and reply["marker"]["step"] == 5 and data == b"x" * 100, reply
-    assert time.time() - t0 >= 0.4  # it waited for the token
+    assert met.is_set()  # the reply came only once the token was known: it was held
 
 
 def _peers(server, holder_addr):
@@ -71,16 +75,17 @@ def test_fetch_gets_the_copy_and_says_why_not(server, monkeypatch):
     marker, data, why = peers.fetch(5)
     assert marker["step"] == 5 and bytes(data) == b"x" * 100 and why == ""
     assert peers.fetch(4)[2] == "no copy (own or peer)"
+    sleeps = []  # the pauses between retry rounds
+    monkeypatch.setattr(snapshot_peer.time, "sleep", sleeps.append)
     peers.offers[1]["held"]["0"].append(4)  # listed, yet gone: refused, not retried
-    t0 = time.time()
     marker, _, why = peers.fetch(4)
-    assert marker is None and "no such copy" in why and time.time() - t0 < 1, why
+    assert marker is None and "no such copy" in why and sleeps == [], (why, sleeps)
     with socket.socket() as s:  # a holder that does not answer: retried, then the error
         s.bind(("127.0.0.1", 0))
         dead = ["127.0.0.1", s.getsockname()[1]]
-    monkeypatch.setattr(snapshot_peer.time, "sleep", lambda s: None)
     marker, _, why = _peers(server, dead).fetch(5)
     assert marker is None and why.startswith("peer copy not fetched") and "Error" in why, why
+    assert len(sleeps) == snapshot_peer.FETCH_ATTEMPTS - 1, sleeps
     peers.close()
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxpar.runlog import TMP_SUFFIX
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 from launch_util import Launch, clean_env, fake_cmd  # noqa: E402
 
@@ -167,7 +169,7 @@ def test_disk_full_worker_gives_up_and_the_uncommitted_save_is_removed(tmp_path)
     assert [(f["process"], f["code"]) for f in run.events("failure")] == [(1, 46)]
     (g,) = run.events("gave_up")
     assert "ran out of disk space" in g["reason"], g
-    assert g["discarded"] == ["2.orbax-checkpoint-tmp"], g
+    assert g["discarded"] == [f"2{TMP_SUFFIX}"], g
     assert run.events("restart") == []
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
     assert (committed / "data").read_bytes() == b"x" * 100

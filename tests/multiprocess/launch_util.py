@@ -39,7 +39,7 @@ def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list
 # leaves an uncommitted save folder of step 2 and exits 46 there, like a save that hit ENOSPC).
 FAKE_WORKER = """
 import os, signal, sys, time
-from jaxpar import launch
+from jaxpar import launch, runlog
 from jaxpar.metrics import RunDir
 
 mode, steps = sys.argv[1], int(sys.argv[2])
@@ -71,8 +71,9 @@ for step in range(steps):
         sys.exit(3)
     if mode == "nospace" and p == 1 and step == 2:
         collective(step, others=True)
-        os.makedirs(f"{run_dir}/checkpoints/2.orbax-checkpoint-tmp/state", exist_ok=True)
-        with open(f"{run_dir}/checkpoints/2.orbax-checkpoint-tmp/state/shard", "wb") as f:
+        tmp = f"{run_dir}/{runlog.CHECKPOINTS}/2{runlog.TMP_SUFFIX}"
+        os.makedirs(f"{tmp}/state", exist_ok=True)
+        with open(f"{tmp}/state/shard", "wb") as f:
             f.write(b"x" * 4096)
         sys.exit(launch.EXIT_NO_SPACE)
     if mode == "hang" and p == 1 and step == 3 and inc == 0:

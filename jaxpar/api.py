@@ -23,7 +23,9 @@ See docs/api.md.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -267,7 +269,10 @@ def fit(
 
 
 def run_worker(fn: Callable[[], int | None]) -> int:
-    """Run `fn` as a jaxpar worker and return its exit code (see `entrypoint`)."""
+    """Run `fn` as a jaxpar worker and return its exit code (see `entrypoint`).
+
+    The code is meant for the process's exit: after a Ctrl-C has saved and stopped the run
+    (130), a further Ctrl-C while the process exits ends it at once, quietly."""
     try:
         return _run_worker(fn)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves on it)
@@ -276,6 +281,21 @@ def run_worker(fn: Callable[[], int | None]) -> int:
 
 
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def _exit_on_next_interrupt() -> None:
+    """The checkpoint is saved and the process is on its way out: a second Ctrl-C now (the
+    checkpointer has put back the previous handler) would raise KeyboardInterrupt somewhere in
+    the interpreter's shutdown and print its traceback. It exits at once instead."""
+
+    def stop(signum, frame) -> None:
+        print("jaxpar: interrupted again: stopping now", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, stop)
 
 
 def _run_worker(fn: Callable[[], int | None]) -> int:
@@ -307,6 +327,7 @@ def _run_worker(fn: Callable[[], int | None]) -> int:
             if e.interrupted and not os.environ.get(launch.ENV_SUPERVISED):
                 resume = rundir.resume_command(e.run_dir) if e.run_dir else ""
                 print(f"jaxpar: {e}; resume with: {resume}", file=sys.stderr)
+                _exit_on_next_interrupt()
                 return EXIT_INTERRUPTED
             print(f"jaxpar: {e}", file=sys.stderr)
             return launch.EXIT_PREEMPTED

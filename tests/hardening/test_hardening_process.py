@@ -7,13 +7,14 @@ import glob
 import os
 import shutil
 import signal
+import sys
 import time
 
 import pytest
 
 from jaxpar.launch import EXIT_NAN, EXIT_NO_SPACE
 from jaxpar.runlog import read_jsonl, read_jsonl_counted
-from tests.helpers import cpu_env, events, losses, ok, run, start, train_cmd
+from tests.helpers import cpu_env, events, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +43,16 @@ def committed(run_dir) -> list[int]:
 def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     run_dir = tmp_path / "run"
     err_path = tmp_path / "err.txt"
-    # each step from 2 sleeps 2 s, also in the resumed run, so the Ctrl-Cs land inside one step
-    slow = "slow@2:seconds=2:repeat"
+    # each step from 2 sleeps 4 s, also in the resumed run. Each incarnation records the fault
+    # (`fault_injected`) once, just before its first sleep, after its last check for a stop
+    # request: a Ctrl-C sent once the record is there lands inside that step, not between a
+    # step's metrics line and the check that follows it.
+    slow = "slow@2:seconds=4:repeat"
     argv = cmd(run_dir, "--set", "ckpt.every=100", steps=60, faults=[slow])
     with open(err_path, "w") as err:
         proc = start(argv, cpu_env(devices=1), stderr=err)
         try:
-            wait_for(lambda: losses(run_dir), proc, what="the first step")
+            wait_for(lambda: events(run_dir, "fault_injected", 0), proc, what="the slow step")
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=300)
         finally:
@@ -58,15 +62,14 @@ def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     assert code == 130, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     (line,) = [x for x in text.splitlines() if "resume with:" in x]
-    assert "interrupted at step" in line and f"--run-dir {run_dir}" in line, line
+    assert "interrupted at step 2" in line and f"--run-dir {run_dir}" in line, line
     (pre,) = events(run_dir, "preempted")
-    assert committed(run_dir) == [pre["step"]]
+    assert pre["step"] == 2 and committed(run_dir) == [2]
     # resume, then two Ctrl-Cs: the second stops at once without waiting for the save
     with open(err_path, "w") as err:
         proc = start(argv, cpu_env(devices=1), stderr=err)
         try:
-            wait_for(lambda: events(run_dir, "restore"), proc, what="the restore")
-            wait_for(lambda: max(losses(run_dir)) > pre["step"], proc, what="a step")
+            wait_for(lambda: events(run_dir, "fault_injected", 1), proc, what="the slow step")
             proc.send_signal(signal.SIGINT)
             wait_for(lambda: "interrupted: saving" in err_path.read_text(), proc, what="notice")
             proc.send_signal(signal.SIGINT)
@@ -77,7 +80,31 @@ def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     text = err_path.read_text()
     assert code == 130 and "interrupted again: stopping now without saving" in text, text[-3000:]
     assert "Traceback" not in text
-    assert committed(run_dir) == [pre["step"]]
+    assert committed(run_dir) == [2]
+
+
+def test_a_ctrl_c_after_the_interrupt_save_exits_quietly(tmp_path):
+    """The run saved on Ctrl-C and is exiting (130) when a second Ctrl-C comes: the process
+    stops at once with 130, not with a KeyboardInterrupt traceback from the shutdown."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from jaxpar.api import run_worker\n"
+        "from jaxpar.checkpoint import Preempted\n"
+        "def main():\n"
+        "    raise Preempted('interrupted at step 3; checkpoint saved', 3, interrupted=True,\n"
+        f"                    run_dir={str(tmp_path)!r})\n"
+        "code = run_worker(main)\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, on the way out\n"
+        "time.sleep(30)\n"
+        "sys.exit(code)\n"
+    )
+    (tmp_path / "main.py").write_text(script)
+    proc = run([sys.executable, str(tmp_path / "main.py")], cpu_env(devices=1), timeout=120)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "interrupted at step 3; checkpoint saved; resume with:" in lines[-2], lines
+    assert lines[-1] == "jaxpar: interrupted again: stopping now", lines
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
 
 
 def test_disk_full_stops_with_one_line_and_keeps_committed_checkpoints(small_fs, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from jaxpar.launch import EXIT_NAN, EXIT_NO_SPACE
 from jaxpar.runlog import read_jsonl, read_jsonl_counted
-from tests.helpers import cpu_env, events, ok, run, start, train_cmd
+from tests.helpers import REPO, cpu_env, events, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,9 @@ def test_a_ctrl_c_after_the_interrupt_save_exits_quietly(tmp_path):
         "sys.exit(code)\n"
     )
     (tmp_path / "main.py").write_text(script)
-    proc = run([sys.executable, str(tmp_path / "main.py")], cpu_env(devices=1), timeout=120)
+    env = cpu_env(devices=1)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = run([sys.executable, str(tmp_path / "main.py")], env, timeout=120)
     assert proc.returncode == 130, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert "interrupted at step 3; checkpoint saved; resume with:" in lines[-2], lines

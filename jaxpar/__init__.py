@@ -32,15 +32,15 @@ _EXPORTS: dict[str, str] = {
     "apply_overrides": "jaxpar.config",
     "resolve_recipe": "jaxpar.config",
     # mesh and rules
-    "AXES": "jaxpar.mesh",
-    "MeshSpec": "jaxpar.mesh",
-    "make_mesh": "jaxpar.mesh",
-    "ACT_RULES": "jaxpar.rules",
-    "PARAM_RULES": "jaxpar.rules",
-    "VOCAB": "jaxpar.rules",
-    "Preset": "jaxpar.rules",
-    "constrain": "jaxpar.rules",
-    "logical_to_spec": "jaxpar.rules",
+    "AXES": "jaxpar.engine.mesh",
+    "MeshSpec": "jaxpar.engine.mesh",
+    "make_mesh": "jaxpar.engine.mesh",
+    "ACT_RULES": "jaxpar.engine.rules",
+    "PARAM_RULES": "jaxpar.engine.rules",
+    "VOCAB": "jaxpar.engine.rules",
+    "Preset": "jaxpar.engine.rules",
+    "constrain": "jaxpar.engine.rules",
+    "logical_to_spec": "jaxpar.engine.rules",
     # the library API for a user's own entrypoint (docs/api.md)
     "build": "jaxpar.api",
     "build_mesh": "jaxpar.api",
@@ -51,14 +51,14 @@ _EXPORTS: dict[str, str] = {
     "entrypoint": "jaxpar.api",
     "run_worker": "jaxpar.api",
     "resolve_run_dir": "jaxpar.api",
-    "RunDir": "jaxpar.metrics",
-    "TensorBoardWriter": "jaxpar.metrics",
-    "Progress": "jaxpar.metrics",
-    "Preempted": "jaxpar.checkpoint",
-    "CheckpointMismatch": "jaxpar.checkpoint",
-    "NonFiniteLoss": "jaxpar.faults",
-    "heartbeat": "jaxpar.launch",
-    "EXIT_PREEMPTED": "jaxpar.launch",
+    "RunDir": "jaxpar.rundir.writer",
+    "TensorBoardWriter": "jaxpar.rundir.writer",
+    "Progress": "jaxpar.rundir.writer",
+    "Preempted": "jaxpar.recovery.checkpoint",
+    "CheckpointMismatch": "jaxpar.recovery.checkpoint",
+    "NonFiniteLoss": "jaxpar.worker.faults",
+    "heartbeat": "jaxpar.worker.bootstrap",
+    "EXIT_PREEMPTED": "jaxpar.worker.bootstrap",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
@@ -89,7 +89,6 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         resolve_run_dir,
         run_worker,
     )
-    from jaxpar.checkpoint import CheckpointMismatch, Preempted  # noqa: F401
     from jaxpar.config import (  # noqa: F401
         CkptConfig,
         CommConfig,
@@ -105,11 +104,8 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         apply_overrides,
         resolve_recipe,
     )
-    from jaxpar.faults import NonFiniteLoss  # noqa: F401
-    from jaxpar.launch import EXIT_PREEMPTED, heartbeat  # noqa: F401
-    from jaxpar.mesh import AXES, MeshSpec, make_mesh  # noqa: F401
-    from jaxpar.metrics import Progress, RunDir, TensorBoardWriter  # noqa: F401
-    from jaxpar.rules import (  # noqa: F401
+    from jaxpar.engine.mesh import AXES, MeshSpec, make_mesh  # noqa: F401
+    from jaxpar.engine.rules import (  # noqa: F401
         ACT_RULES,
         PARAM_RULES,
         VOCAB,
@@ -117,3 +113,7 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         constrain,
         logical_to_spec,
     )
+    from jaxpar.recovery.checkpoint import CheckpointMismatch, Preempted  # noqa: F401
+    from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter
+    from jaxpar.worker.bootstrap import EXIT_PREEMPTED, heartbeat  # noqa: F401
+    from jaxpar.worker.faults import NonFiniteLoss  # noqa: F401

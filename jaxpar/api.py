@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar import launch
+from jaxpar.worker import bootstrap
 
 # --- layouts -------------------------------------------------------------------------------------
 
@@ -40,8 +40,8 @@ def preset(name_or_spec: Any = "") -> Any:
     preset with the default rules for a mesh spec (`"data=2,tensor=4"`; `""` = all devices on
     `data`), or a `Preset` / `MeshSpec` given as is."""
     from jaxpar import meshes
-    from jaxpar.mesh import MeshSpec
-    from jaxpar.rules import Preset
+    from jaxpar.engine.mesh import MeshSpec
+    from jaxpar.engine.rules import Preset
 
     if isinstance(name_or_spec, Preset):
         return name_or_spec
@@ -53,7 +53,7 @@ def preset(name_or_spec: Any = "") -> Any:
 def build_mesh(layout: Any = "", devices: Sequence | None = None) -> Any:
     """The 4-D jax Mesh (data, fsdp, tensor, pipeline) of a preset name, spec, Preset or
     MeshSpec, over `devices` (default: all global devices)."""
-    from jaxpar.mesh import make_mesh
+    from jaxpar.engine.mesh import make_mesh
 
     return make_mesh(preset(layout).mesh, list(devices) if devices is not None else None)
 
@@ -72,8 +72,8 @@ class Job:
     cfg: Any  # TrainConfig
     preset: Any  # Preset
     mesh: Any  # jax.sharding.Mesh
-    source: Any  # jaxpar.data.Source
-    program: Any  # jaxpar.step.Program
+    source: Any  # jaxpar.data.sources.Source
+    program: Any  # jaxpar.parallel.program.Program
     train_step: Callable[[dict, dict], tuple[dict, dict]]
     eval_step: Callable[[dict, dict], dict]
 
@@ -95,7 +95,7 @@ class Job:
         (each process loads only its rows; a pure function of the seed and step)."""
         import jax
 
-        from jaxpar import data as data_lib
+        from jaxpar.data import sources as data_lib
 
         local = data_lib.host_batch(
             self.source, step=step, global_batch=self.cfg.data.global_batch,
@@ -107,7 +107,7 @@ class Job:
     def device_batch(self, host_rows: dict) -> dict:
         """A global batch from this process's rows of your own data (numpy arrays whose first
         dimension is global_batch / process_count), sharded for the step."""
-        from jaxpar import data as data_lib
+        from jaxpar.data import sources as data_lib
 
         return data_lib.to_device(host_rows, self.program.batch_shardings,
                                   self.cfg.data.global_batch)  # fmt: skip
@@ -122,11 +122,11 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     import jax
     import numpy as np
 
-    from jaxpar import data as data_lib
-    from jaxpar.mesh import make_mesh
-    from jaxpar.rules import validate_rules
-    from jaxpar.step import build_program
-    from jaxpar.trainer import make_source
+    from jaxpar.data import sources as data_lib
+    from jaxpar.engine.mesh import make_mesh
+    from jaxpar.engine.rules import validate_rules
+    from jaxpar.parallel.program import build_program
+    from jaxpar.worker.training import make_source
 
     layout = preset(cfg.mesh if mesh is None else mesh)
     validate_rules(layout.params)
@@ -174,9 +174,9 @@ class CheckpointManager:
         import jax
 
         from jaxpar import __version__
-        from jaxpar.checkpoint import Checkpointer
         from jaxpar.config import config_hash
-        from jaxpar.metrics import RunDir
+        from jaxpar.recovery.checkpoint import Checkpointer
+        from jaxpar.rundir.writer import RunDir
 
         meta: dict[str, Any] = {"jaxpar_version": __version__, "nproc": jax.process_count()}
         if config is not None:
@@ -238,7 +238,7 @@ def resolve_run_dir(run_dir: str | None, cfg: Any) -> str:
 
     return (
         run_dir
-        or os.environ.get(launch.ENV_RUN_DIR)
+        or os.environ.get(bootstrap.ENV_RUN_DIR)
         or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
 
@@ -259,11 +259,11 @@ def fit(
 
     `run_dir`: see `resolve_run_dir`.
     """
-    from jaxpar import trainer
+    from jaxpar.worker import training
 
     run_dir = resolve_run_dir(run_dir, cfg)
     layout = preset(cfg.mesh if mesh is None else mesh)
-    summary = trainer.run(cfg, layout, run_dir, faults=list(faults), progress=progress)
+    summary = training.run(cfg, layout, run_dir, faults=list(faults), progress=progress)
     summary["run_dir"] = os.path.abspath(run_dir)
     return summary
 
@@ -299,60 +299,60 @@ def _exit_on_next_interrupt() -> None:
 
 
 def _run_worker(fn: Callable[[], int | None]) -> int:
-    from jaxpar import standby
+    from jaxpar.worker import standby
 
-    launch.configure_devices()
+    bootstrap.configure_devices()
     with standby.no_run_dir():  # a standby writes nothing to the run directory before "go"
-        launch.initialize_from_env()
-    from jaxpar import rundir
-    from jaxpar.checkpoint import (
+        bootstrap.initialize_from_env()
+    from jaxpar.recovery.checkpoint import (
         CheckpointMismatch,
         Preempted,
         ReplicaMismatch,
         disk_full_path,
         is_disk_full,
     )
-    from jaxpar.faults import NonFiniteLoss
-    from jaxpar.trainer import NothingToDo
+    from jaxpar.rundir import ownership
+    from jaxpar.worker.faults import NonFiniteLoss
+    from jaxpar.worker.training import NothingToDo
 
     # guard(): any other error in a multi-process job exits at once (EXIT_COLLECTIVE for a
     # collective error) instead of waiting in jax's shutdown barrier for a dead peer.
-    with launch.guard():
+    with bootstrap.guard():
         try:
             return fn() or 0
         except NothingToDo as e:
             print(f"jaxpar: {e}", file=sys.stderr)
             return 0
         except Preempted as e:
-            if e.interrupted and not os.environ.get(launch.ENV_SUPERVISED):
-                resume = rundir.resume_command(e.run_dir) if e.run_dir else ""
+            if e.interrupted and not os.environ.get(bootstrap.ENV_SUPERVISED):
+                resume = ownership.resume_command(e.run_dir) if e.run_dir else ""
                 print(f"jaxpar: {e}; resume with: {resume}", file=sys.stderr)
                 _exit_on_next_interrupt()
                 return EXIT_INTERRUPTED
             print(f"jaxpar: {e}", file=sys.stderr)
-            return launch.EXIT_PREEMPTED
+            return bootstrap.EXIT_PREEMPTED
         except NonFiniteLoss as e:
             print(f"jaxpar: {e}", file=sys.stderr)
-            return launch.EXIT_NAN
+            return bootstrap.EXIT_NAN
         except ReplicaMismatch as e:
             print(f"jaxpar: {e}", file=sys.stderr)
-            return launch.EXIT_REPLICA
+            return bootstrap.EXIT_REPLICA
         except Exception as e:
             if is_disk_full(e):  # one line, not orbax's tracebacks; restarting cannot help
-                where = disk_full_path(e, os.environ.get(launch.ENV_RUN_DIR) or os.getcwd())
+                where = disk_full_path(e, os.environ.get(bootstrap.ENV_RUN_DIR) or os.getcwd())
                 print(
                     f"jaxpar: no space left on device (ENOSPC) writing {where}; free space "
                     f"there and rerun the same command (committed checkpoints are intact)",
                     file=sys.stderr,
                 )
-                if launch.distributed_active():  # orbax's threads may wait at a barrier for
+                if bootstrap.distributed_active():  # orbax's threads may wait at a barrier for
                     sys.stdout.flush()  # the failed save: exit now, the supervisor stops the rest
                     sys.stderr.flush()
-                    os._exit(launch.EXIT_NO_SPACE)
-                return launch.EXIT_NO_SPACE
+                    os._exit(bootstrap.EXIT_NO_SPACE)
+                return bootstrap.EXIT_NO_SPACE
             if isinstance(e, CheckpointMismatch | ValueError):  # also RunDirLocked, bad config
                 print(f"error: {e}", file=sys.stderr)
-                return launch.EXIT_USAGE
+                return bootstrap.EXIT_USAGE
             raise
 
 

@@ -56,12 +56,12 @@ def _names() -> str:
 
 
 def _train_epilog() -> str:
-    from jaxpar.faults import KINDS
+    from jaxpar.worker.faults import KINDS
 
     return (
         f"{_names()}\n"
         f"fault kinds: {', '.join(KINDS)} (SPEC = KIND@STEP[:process=P][:permanent][:repeat]"
-        f"[:seconds=X]; see jaxpar/faults.py)\n"
+        f"[:seconds=X]; see jaxpar/worker/faults.py)\n"
         f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
         f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
         f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "
@@ -107,13 +107,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from jaxpar.api import run_worker
 
     def train() -> None:
-        from jaxpar import api, trainer
+        from jaxpar import api
         from jaxpar.config import apply_overrides, resolve_recipe, validate
+        from jaxpar.worker import training
 
         cfg = resolve_recipe(args.recipe)
-        cfg = validate(apply_overrides(trainer.with_overrides(cfg, args.steps), args.overrides))
+        cfg = validate(apply_overrides(training.with_overrides(cfg, args.steps), args.overrides))
         keys = {o.partition("=")[0].strip() for o in args.overrides}
-        cfg = trainer.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
+        cfg = training.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
         mesh = args.mesh if args.mesh is not None else cfg.mesh
         summary = api.fit(cfg, mesh, args.run_dir, faults=args.faults,
                           progress=False if args.no_progress else None)  # fmt: skip
@@ -130,11 +131,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jaxpar import launch
+    from jaxpar.worker import bootstrap
 
-    launch.configure_devices()
+    bootstrap.configure_devices()
     from jaxpar.config import apply_overrides, resolve_recipe, validate
-    from jaxpar.inspect_cmd import inspect
+    from jaxpar.tools.inspect import inspect
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
@@ -144,12 +145,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from jaxpar import launch
+    from jaxpar.worker import bootstrap
 
-    launch.configure_devices()
-    from jaxpar.bench import Bench, run_suite
+    bootstrap.configure_devices()
+    from jaxpar.bench.harness import Bench, run_suite
     from jaxpar.config import validate
-    from jaxpar.rundir import check_path
+    from jaxpar.rundir.ownership import check_path
 
     check_path(args.out, option="--out")  # before a bench runs for minutes
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else ()
@@ -162,8 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from jaxpar.report import write_report
-    from jaxpar.rundir import check_path
+    from jaxpar.rundir.ownership import check_path
+    from jaxpar.tools.report import write_report
 
     if not os.path.isdir(args.run_dir):
         raise ValueError(f"{args.run_dir} is not a directory; give a run directory")
@@ -173,7 +174,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from jaxpar.prepare import prepare
+    from jaxpar.data.prepare import prepare
 
     meta = prepare(
         args.inputs, args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
@@ -188,7 +189,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from jaxpar.sample import sample
+    from jaxpar.tools.sample import sample
 
     text = sample(
         args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -199,7 +200,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jaxpar.export import config_path, export
+    from jaxpar.tools.export import config_path, export
 
     meta = export(args.run_dir, args.out)
     print(
@@ -444,17 +445,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                      help="override a config value (repeatable)")  # fmt: skip
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
     ins.set_defaults(func=cmd_inspect)
-    from jaxpar import bench
+    from jaxpar.bench import harness
 
-    suites = "suites (rough time on a 2-core CPU host, full and --quick):\n" + bench.describe()
+    suites = "suites (rough time on a 2-core CPU host, full and --quick):\n" + harness.describe()
     ben = sub.add_parser(
         "bench", help="benchmarks measured side by side (medians, ratios)",
         epilog=suites + (f"\n\n{names}" if names else ""), formatter_class=raw,
     )  # fmt: skip
-    ben.add_argument("suite", choices=sorted(bench.SUITES), metavar="SUITE",
-                     help="one of: " + ", ".join(sorted(bench.SUITES)))  # fmt: skip
-    ben.add_argument("--recipe", default=bench.DEFAULT_RECIPE,
-                     help=f"the recipe measured (default: {bench.DEFAULT_RECIPE})")  # fmt: skip
+    ben.add_argument("suite", choices=sorted(harness.SUITES), metavar="SUITE",
+                     help="one of: " + ", ".join(sorted(harness.SUITES)))  # fmt: skip
+    ben.add_argument("--recipe", default=harness.DEFAULT_RECIPE,
+                     help=f"the recipe measured (default: {harness.DEFAULT_RECIPE})")  # fmt: skip
     ben.add_argument("--out", default="bench-results", help="directory for SUITE.json "
                      "(default: bench-results)")  # fmt: skip
     ben.add_argument("--quick", action="store_true", help="a small, fast version")

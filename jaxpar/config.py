@@ -24,7 +24,7 @@ from jaxpar.usercode import search_current_directory
 
 @dataclass(frozen=True)
 class DataConfig:
-    # a name in jaxpar.data.SOURCES, MODULE:CALLABLE, or (from a recipe) a source object/factory
+    # a name in jaxpar.data.sources.SOURCES, MODULE:CALLABLE, or (from a recipe) a source object/factory
     source: Any = "stdlib_text"
     global_batch: int = 32
     seq_len: int = 64  # lm sources only
@@ -70,7 +70,7 @@ class CkptConfig:
     restore: str = "latest"  # latest | none | STEP
     use_async: bool = True
     force: bool = False  # restore even if the model/optimizer/data config differs
-    # local snapshot tier (jaxpar/snapshot.py): every N steps to node-local RAM; -1 = by state
+    # local snapshot tier (jaxpar/recovery/local_tier.py): every N steps to node-local RAM; -1 = by state
     # size (1 up to 256 MiB per process), 0 = off
     local_every: int = -1
     local_dir: str = ""  # "" = $JAXPAR_LOCAL_DIR, else /dev/shm/jaxpar-<uid>
@@ -107,7 +107,7 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Mixed precision (see jaxpar/precision.py)."""
+    """Mixed precision (see jaxpar/engine/precision.py)."""
 
     params: str = "float32"  # parameters and optimizer state: always float32
     compute: str = "float32"  # forward and backward: float32 | bfloat16
@@ -451,7 +451,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")
-    from jaxpar.data import SOURCES  # the data module owns the list
+    from jaxpar.data.sources import SOURCES  # the data module owns the list
 
     source = cfg.data.source
     if isinstance(source, str) and ":" not in source and source not in SOURCES:

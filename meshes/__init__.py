@@ -1,14 +1,14 @@
 """Named layouts: a mesh spec plus parameter and activation rules (two small ordered tables).
 
 `--mesh NAME` picks one; `--mesh data=2,tensor=4` builds an unnamed one with the default rules.
-The default tables (jaxpar.rules.PARAM_RULES / ACT_RULES) serve every layout, because unused
+The default tables (jaxpar.engine.rules.PARAM_RULES / ACT_RULES) serve every layout, because unused
 strategies are size-1 mesh axes; presets differ in the mesh shape and say what they are for.
 """
 
 from __future__ import annotations
 
-from jaxpar.mesh import MeshSpec
-from jaxpar.rules import ACT_RULES, PARAM_RULES, Preset
+from jaxpar.engine.mesh import MeshSpec
+from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
 
 P = MeshSpec.parse
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.rules import constrain
+from jaxpar.engine.rules import constrain
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,13 @@ jax.config.update("jax_threefry_partitionable", True)  # random bits independent
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import collectives, trainer
-from jaxpar import data as data_lib
-from jaxpar import step as step_lib
 from jaxpar.config import TrainConfig, resolve_recipe
-from jaxpar.mesh import make_mesh
-from jaxpar.rules import Preset
+from jaxpar.data import sources as data_lib
+from jaxpar.engine import collectives
+from jaxpar.engine.mesh import make_mesh
+from jaxpar.engine.rules import Preset
+from jaxpar.parallel import program as step_lib
+from jaxpar.worker import training
 
 
 def pytest_configure(config):
@@ -193,7 +194,7 @@ def build(cfg: TrainConfig, layout: str) -> Built:
     p = preset(layout)
     devices = jax.devices()[: p.mesh.size] if p.mesh.size > 0 else None
     mesh = make_mesh(p.mesh, devices)
-    source = trainer.make_source(cfg)
+    source = training.make_source(cfg)
     spec = data_lib.batch_spec(source, cfg.data.global_batch)
     program = step_lib.build_program(cfg, mesh, p.params, p.acts, spec, source.kind)
     return Built(cfg, p, mesh, source, program)

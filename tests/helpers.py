@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxpar.metrics import last_per_step, read_jsonl
+from jaxpar.rundir.runlog import last_per_step, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 # XLA flags of the test processes (and their subprocesses): single-threaded CPU ops (8 simulated

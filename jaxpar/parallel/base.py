@@ -3,7 +3,7 @@
 A strategy is one way of turning a batch into an optimizer step on the mesh: plain SPMD
 (`spmd`), a shard_map manual over `data` that reduces gradients once per step (`manual_data`),
 the same with a compressed reduction (`compressed`), the pipeline schedule (`pipeline`) and
-DiLoCo (`diloco`). `jaxpar.parallel.plan` picks one from the config and the mesh; `jaxpar.step`
+DiLoCo (`diloco`). `jaxpar.parallel.plan` picks one from the config and the mesh; `jaxpar.parallel.program`
 builds the Program around it. What a strategy provides:
 
     state_shardings()        shardings of "opt" and of any state entries it adds
@@ -13,7 +13,7 @@ builds the Program around it. What a strategy provides:
     sync_step / sync_every   an optional state -> state program run every `sync_every` steps
 
 `extra` holds the state entries the strategy updates besides params and opt: its own
-(`extra_keys`) and the model's non-parameter state (`model_state`, jaxpar/model.py) when the
+(`extra_keys`) and the model's non-parameter state (`model_state`, jaxpar/engine/model.py) when the
 model has any. Everything a strategy needs of the model and config is in its `Context`.
 """
 
@@ -30,10 +30,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig
-from jaxpar.mesh import DATA
-from jaxpar.model import STATE_KEY, ModelDef
-from jaxpar.precision import Policy
-from jaxpar.rules import Rules, activation_rules
+from jaxpar.engine.mesh import DATA
+from jaxpar.engine.model import STATE_KEY, ModelDef
+from jaxpar.engine.precision import Policy
+from jaxpar.engine.rules import Rules, activation_rules
 
 REP = PartitionSpec()  # replicated over the manual axes of a shard_map
 ROWS = PartitionSpec(DATA)  # split over `data`: each replica's rows (or its own copy)
@@ -141,7 +141,7 @@ def with_model_state(extra: dict, mstate: dict) -> dict:
 
 
 def poisoned(poison: jax.Array, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
-    """`poison` is 1.0, or NaN when a fault injects a non-finite step (jaxpar/faults.py)."""
+    """`poison` is 1.0, or NaN when a fault injects a non-finite step (jaxpar/worker/faults.py)."""
     return loss * poison, jax.tree.map(lambda g: g * poison, grads)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.mesh import DATA
+from jaxpar.engine.mesh import DATA
 from jaxpar.parallel.base import Context, OverData
 
 COMPRESS = ("none", "bf16", "int8")

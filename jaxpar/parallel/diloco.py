@@ -22,8 +22,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig
-from jaxpar.mesh import DATA
-from jaxpar.model import STATE_KEY
+from jaxpar.engine.mesh import DATA
+from jaxpar.engine.model import STATE_KEY
 from jaxpar.parallel.base import (
     REP,
     ROWS,

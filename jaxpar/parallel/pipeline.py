@@ -65,9 +65,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.config import PipelineConfig, TrainConfig
-from jaxpar.mesh import DATA, batch_parallel_size
+from jaxpar.engine.mesh import DATA, batch_parallel_size
+from jaxpar.engine.rules import activation_rules
 from jaxpar.parallel.base import Context, Strategy, join_microbatches, merge, split_microbatches
-from jaxpar.rules import activation_rules
 
 SCHEDULES = ("gpipe", "circular")
 AXIS = "pipeline"
@@ -324,7 +324,7 @@ class Pipeline(Strategy):
 def pipeline_grads(ctx: Context) -> Callable:
     """(params, batch, key) -> (loss, aux, grads) through the pipeline schedule.
 
-    Called inside the jitted train step (jaxpar.step) when the mesh has pipeline > 1; `params`
+    Called inside the jitted train step (jaxpar.parallel.program) when the mesh has pipeline > 1; `params`
     and `grads` are canonical (layer-major) parameter dicts.
     """
     cfg, mesh, graphdef, template = ctx.cfg, ctx.mesh, ctx.graphdef, ctx.template
@@ -485,7 +485,7 @@ def _flops(cfg: TrainConfig, parts: Parts) -> dict:
 def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None) -> list[str]:
     """Markdown lines for `jaxpar inspect`: stages, bytes, FLOPs, ticks, bubble, permutes.
 
-    `program` is the jaxpar.step.Program; `colls` the collective audit of its train step.
+    `program` is the jaxpar.parallel.program.Program; `colls` the collective audit of its train step.
     """
     mesh = program.mesh
     parts = model_parts(program.graphdef, program.param_template)

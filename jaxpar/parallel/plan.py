@@ -17,7 +17,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jaxpar.config import TrainConfig
-from jaxpar.mesh import DATA
+from jaxpar.engine.mesh import DATA
 from jaxpar.parallel.base import Strategy
 from jaxpar.parallel.compressed import COMPRESS, Compressed
 from jaxpar.parallel.diloco import DiLoCo

@@ -6,12 +6,12 @@ One agent per host. With --nnodes > 1 the agent of --node-rank 0 leads: it owns 
 writes the supervisor events; the others run their own command line as local workers when it
 says so, over an authenticated TCP channel at --coordinator HOST:PORT, and report every worker
 exit. A failure anywhere restarts the whole job. The run directory must be shared (as Orbax
-checkpoints require). Workers get the environment described in jaxpar/launch.py; the summary is
-jaxpar/goodput.py's.
+checkpoints require). Workers get the environment described in jaxpar/worker/bootstrap.py; the summary is
+jaxpar/rundir/goodput.py's.
 
 Elastic shrink (a `fault_injected` with `permanent`, or a lost agent): the job continues on the
 largest process count >= --min-nproc that the global batch (RUN_DIR/config.json) divides, with
-the mesh's batch axes (jaxpar.mesh.BATCH_AXES) shrunk and more gradient-accumulation
+the mesh's batch axes (jaxpar.engine.mesh.BATCH_AXES) shrunk and more gradient-accumulation
 microbatches so that each device keeps its rows per microbatch. The layout reaches the workers in
 their environment (JAXPAR_MESH, JAXPAR_MICROBATCHES), which the training loop applies over its
 command line, so any entrypoint can be shrunk.
@@ -32,7 +32,7 @@ The pieces (none imports jax):
 
 from __future__ import annotations
 
-from jaxpar.mesh import mesh_text
+from jaxpar.engine.mesh import mesh_text
 from jaxpar.supervisor.channel import Channel
 from jaxpar.supervisor.group import LocalGroup, LocalNode, Wakeup
 from jaxpar.supervisor.loop import Supervisor

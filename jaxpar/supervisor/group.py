@@ -1,5 +1,5 @@
 """This host's workers: spawn a group, reap exits the moment they happen, signal, stop, and keep
-hot spares (jaxpar/spare.py) and a standby group (jaxpar/standby.py) for the next group."""
+hot spares (jaxpar/worker/spare.py) and a standby group (jaxpar/worker/standby.py) for the next group."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import subprocess
 import sys
 import time
 
-from jaxpar import runlog
-from jaxpar import spare as spare_lib
+from jaxpar.rundir import runlog
 from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import worker_env
-from jaxpar.supervisor.standby import Standby
+from jaxpar.supervisor.standby_group import Standby
+from jaxpar.worker import spare as spare_lib
 
 
 class Wakeup:
@@ -194,7 +194,7 @@ class LocalGroup:
             path = os.path.join(self.log_dir, f"spare{local_rank}.log")
             with self._log(path) as log:
                 self.spares[local_rank] = subprocess.Popen(
-                    [sys.executable, "-m", "jaxpar.spare"], env=env, stdout=log,
+                    [sys.executable, "-m", "jaxpar.worker.spare"], env=env, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
                 )  # fmt: skip
 

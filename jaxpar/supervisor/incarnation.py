@@ -9,9 +9,8 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from jaxpar import launch as L
-from jaxpar import runlog
-from jaxpar.runlog import S
+from jaxpar.rundir import runlog
+from jaxpar.rundir.runlog import S
 from jaxpar.supervisor.monitor import Monitor, drop_empty_stack_files, stack_files
 from jaxpar.supervisor.options import free_port, join_address, say
 from jaxpar.supervisor.policy import (
@@ -22,6 +21,7 @@ from jaxpar.supervisor.policy import (
     root_exit,
     secondary,
 )
+from jaxpar.worker import bootstrap
 
 if TYPE_CHECKING:
     from jaxpar.supervisor.loop import Supervisor
@@ -184,7 +184,7 @@ class Incarnation:
                 return Outcome("done", max_step=hb.max_step())
             if bad:
                 first_bad = first_bad or now
-                preempt = all(c == L.EXIT_PREEMPTED for _, c in bad)
+                preempt = all(c == bootstrap.EXIT_PREEMPTED for _, c in bad)
                 # wait briefly for the root cause only if all we have are its consequences
                 root_seen = any(secondary(c) == 0 for _, c in bad)
                 settle = self.sv.opts.preempt_grace_s if preempt else (0.0 if root_seen else 0.3)
@@ -240,6 +240,6 @@ class Incarnation:
                 for node in self.sv.nodes:
                     exits += node.poll()
                 self.sv.waker.wait(self.sv.opts.poll_s)
-            return Outcome("stopped", "preempted", code=L.EXIT_PREEMPTED)
+            return Outcome("stopped", "preempted", code=bootstrap.EXIT_PREEMPTED)
         say("interrupted: stopping the workers")
         return Outcome("stopped", "interrupted", code=130)

@@ -15,16 +15,16 @@ import signal
 import time
 from typing import Any
 
-from jaxpar import launch as L
-from jaxpar import rundir, runlog
-from jaxpar.mesh import mesh_text
-from jaxpar.runlog import S, W, append_line, read_jsonl, write_json
+from jaxpar.engine.mesh import mesh_text
+from jaxpar.rundir import ownership, runlog
+from jaxpar.rundir.runlog import S, W, append_line, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode, Wakeup
 from jaxpar.supervisor.incarnation import Incarnation
 from jaxpar.supervisor.options import Options, cannot_write, say
 from jaxpar.supervisor.policy import CrashLoop, Outcome, backoff_s, shrink_plan
 from jaxpar.supervisor.transport import RemoteNode, Rendezvous
+from jaxpar.worker import bootstrap
 
 
 class Supervisor:
@@ -38,7 +38,7 @@ class Supervisor:
         self.nodes: list[LocalNode | RemoteNode] = []
         self.slots: list[tuple[int, int]] = []  # (node, local index), indexed by process id
         self.layout: dict | None = None  # after a shrink: {"mesh", "microbatches"} for workers
-        self.lock: rundir.RunDirLock | None = None  # held for the whole job
+        self.lock: ownership.RunDirLock | None = None  # held for the whole job
         self.incarnation = 0
         self.restarts = 0  # group restarts of any kind
         self.counted = 0  # those that count against --max-restarts
@@ -69,7 +69,7 @@ class Supervisor:
         try:
             os.makedirs(self.run_dir, exist_ok=True)
             # one job per run directory: a second `jaxpar launch` or `python -m train` refuses
-            self.lock = rundir.acquire(self.run_dir, "jaxpar launch")
+            self.lock = ownership.acquire(self.run_dir, "jaxpar launch")
         except ValueError as e:
             say(f"error: {e}")
             return 2
@@ -111,7 +111,7 @@ class Supervisor:
         return code
 
     def _summary(self, wall_s: float, status: str) -> None:
-        from jaxpar import goodput  # numpy: only at the end
+        from jaxpar.rundir import goodput  # numpy: only at the end
 
         try:
             summary = goodput.summarize_run(
@@ -148,14 +148,17 @@ class Supervisor:
                 reason = self._shrink(out.lost)
             if reason is not None:
                 extra = {}
-                if out.code == L.EXIT_NO_SPACE:
+                if out.code == bootstrap.EXIT_NO_SPACE:
                     # Every worker is stopped: free the space the failed save took (the process
                     # that saw ENOSPC first may not be the one that would have removed it).
                     ckpt = os.path.join(self.run_dir, runlog.CHECKPOINTS)
                     extra["discarded"] = runlog.discard_uncommitted(ckpt)
                 self.event(S.GAVE_UP, reason=reason, **extra)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
-                return "gave_up", L.EXIT_NO_SPACE if out.code == L.EXIT_NO_SPACE else 1
+                return (
+                    "gave_up",
+                    bootstrap.EXIT_NO_SPACE if out.code == bootstrap.EXIT_NO_SPACE else 1,
+                )
             streak += 1
             delay = backoff_s(streak, self.opts.backoff_base_s, self.opts.backoff_cap_s)
             self.counted += 1
@@ -170,15 +173,15 @@ class Supervisor:
             self._sleep(delay)
 
     def _give_up_reason(self, out: Outcome, crash: CrashLoop) -> str | None:
-        if out.code == L.EXIT_USAGE:
+        if out.code == bootstrap.EXIT_USAGE:
             return (
                 f"process {out.process} exited with code 2 (a usage or configuration error, "
                 f"restarting will not help)"
             )
-        if out.code == L.EXIT_NO_SPACE:
+        if out.code == bootstrap.EXIT_NO_SPACE:
             return (
                 f"process {out.process} ran out of disk space in {self.run_dir} (exit "
-                f"{L.EXIT_NO_SPACE}); free space there, then run the same command again"
+                f"{bootstrap.EXIT_NO_SPACE}); free space there, then run the same command again"
             )
         if crash.record(out.cause, out.step):
             where = f"step {out.step}" if out.step is not None else "start-up"
@@ -192,7 +195,7 @@ class Supervisor:
 
     def _shrink(self, lost: list[int]) -> str | None:
         """Drop lost slots and fit the job on what is left; returns a reason to give up, or None.
-        The new layout reaches the workers in their environment (jaxpar.launch.ENV_MESH)."""
+        The new layout reaches the workers in their environment (jaxpar.worker.bootstrap.ENV_MESH)."""
         before = len(self.slots)
         for p in sorted(set(lost), reverse=True):
             if p < len(self.slots):

@@ -9,17 +9,17 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
-from jaxpar import launch as L
-from jaxpar import runlog
-from jaxpar.runlog import W
+from jaxpar.rundir import runlog
+from jaxpar.rundir.runlog import W
 from jaxpar.supervisor.policy import Outcome
+from jaxpar.worker import bootstrap
 
 
 class Heartbeats:
     """Progress of one incarnation from RUN_DIR/heartbeats/proc<P>.json."""
 
     def __init__(self, run_dir: str, nproc: int, incarnation: int):
-        self.dir = os.path.join(run_dir, L.HEARTBEAT_DIR)
+        self.dir = os.path.join(run_dir, bootstrap.HEARTBEAT_DIR)
         self.nproc, self.incarnation = nproc, incarnation
         self.first: dict[int, int] = {}
         self.last: dict[int, tuple[int, float]] = {}  # process -> (step, seen at)
@@ -38,7 +38,7 @@ class Heartbeats:
 
     def update(self, now: float) -> None:
         for p in range(self.nproc):
-            rec = L.read_heartbeat(os.path.join(self.dir, f"proc{p}.json"))
+            rec = bootstrap.read_heartbeat(os.path.join(self.dir, f"proc{p}.json"))
             if not isinstance(rec, dict) or rec.get("incarnation") != self.incarnation:
                 continue
             try:
@@ -217,11 +217,11 @@ class Monitor:
 
 def stack_files(run_dir: str, incarnation: int) -> list[str]:
     """The non-empty stack dumps of `incarnation`, relative to the run directory."""
-    d = os.path.join(run_dir, L.STACKS_DIR)
+    d = os.path.join(run_dir, bootstrap.STACKS_DIR)
     prefix = f"inc{incarnation}-"
     try:
         names = [n for n in os.listdir(d) if n.startswith(prefix)]
-        return sorted(os.path.join(L.STACKS_DIR, n) for n in names
+        return sorted(os.path.join(bootstrap.STACKS_DIR, n) for n in names
                       if os.path.getsize(os.path.join(d, n)) > 0)  # fmt: skip
     except OSError:
         return []
@@ -229,7 +229,7 @@ def stack_files(run_dir: str, incarnation: int) -> list[str]:
 
 def drop_empty_stack_files(run_dir: str) -> None:
     """Remove the empty dump files of workers that were never asked (never follows a link)."""
-    d = os.path.join(run_dir, L.STACKS_DIR)
+    d = os.path.join(run_dir, bootstrap.STACKS_DIR)
     try:
         for n in os.listdir(d) if os.path.isdir(d) and not os.path.islink(d) else []:
             path = os.path.join(d, n)

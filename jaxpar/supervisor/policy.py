@@ -10,9 +10,9 @@ import signal
 import statistics
 from dataclasses import dataclass, field
 
-from jaxpar import launch as L
-from jaxpar.mesh import AXES, BATCH_AXES, HOST_AXES, batch_ways
-from jaxpar.rundir import ENV_RUN_LOCK
+from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, batch_ways
+from jaxpar.rundir.ownership import ENV_RUN_LOCK
+from jaxpar.worker import bootstrap
 
 THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
@@ -37,18 +37,18 @@ def classify_exit(code: int) -> str:
     """The `failure` cause of a worker's return code (negative: killed by that signal)."""
     if code < 0:
         return "signal"
-    if code == L.EXIT_COLLECTIVE:
+    if code == bootstrap.EXIT_COLLECTIVE:
         return "collective"
-    if code == L.EXIT_NAN:
+    if code == bootstrap.EXIT_NAN:
         return "nan"
     return "exit"
 
 
 def secondary(code: int) -> int:
     """0 for a likely root cause; higher for the consequences of a peer's failure."""
-    if code in (L.EXIT_COLLECTIVE, -signal.SIGABRT):
+    if code in (bootstrap.EXIT_COLLECTIVE, -signal.SIGABRT):
         return 2
-    if code == L.EXIT_PREEMPTED:
+    if code == bootstrap.EXIT_PREEMPTED:
         return 1
     return 0
 
@@ -147,7 +147,7 @@ def worker_env(
     heartbeat_timeout: float, collective_timeout: float, layout: dict | None = None,
     run_lock: str | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """The environment of one worker (the contract is in jaxpar/launch.py). `layout` is a
+    """The environment of one worker (the contract is in jaxpar/worker/bootstrap.py). `layout` is a
     shrunk job's {"mesh": "data=4,...", "microbatches": M}; the training loop applies it."""
     env = dict(base)
     flags = env.get("XLA_FLAGS", "")
@@ -155,32 +155,32 @@ def worker_env(
         flags = f"{flags} {THREAD_FLAGS}".strip()
     env.update(
         {
-            L.ENV_COORDINATOR: coordinator,
-            L.ENV_COORDINATOR_BIND: bind,
-            L.ENV_NUM_PROCESSES: str(nproc),
-            L.ENV_PROCESS_ID: str(process_id),
-            L.ENV_DEVICES_PER_PROC: str(devices_per_proc),
-            L.ENV_RUN_DIR: run_dir,
-            L.ENV_INCARNATION: str(incarnation),
-            L.ENV_SUPERVISED: "1",
-            L.ENV_SUPERVISOR_PID: str(os.getpid()),
-            L.ENV_HEARTBEAT_TIMEOUT: str(int(heartbeat_timeout)),
-            L.ENV_COLLECTIVE_TIMEOUT: str(int(collective_timeout)),
+            bootstrap.ENV_COORDINATOR: coordinator,
+            bootstrap.ENV_COORDINATOR_BIND: bind,
+            bootstrap.ENV_NUM_PROCESSES: str(nproc),
+            bootstrap.ENV_PROCESS_ID: str(process_id),
+            bootstrap.ENV_DEVICES_PER_PROC: str(devices_per_proc),
+            bootstrap.ENV_RUN_DIR: run_dir,
+            bootstrap.ENV_INCARNATION: str(incarnation),
+            bootstrap.ENV_SUPERVISED: "1",
+            bootstrap.ENV_SUPERVISOR_PID: str(os.getpid()),
+            bootstrap.ENV_HEARTBEAT_TIMEOUT: str(int(heartbeat_timeout)),
+            bootstrap.ENV_COLLECTIVE_TIMEOUT: str(int(collective_timeout)),
             "XLA_FLAGS": flags,
             "PYTHONUNBUFFERED": "1",
         }
     )
-    for key in (L.ENV_MESH, L.ENV_MICROBATCHES):
+    for key in (bootstrap.ENV_MESH, bootstrap.ENV_MICROBATCHES):
         env.pop(key, None)  # only the supervisor's own layout, never one inherited
     env.pop(ENV_RUN_LOCK, None)
     if run_lock:  # the workers run under the supervisor's lock on the run directory
         env[ENV_RUN_LOCK] = run_lock
     if layout:
-        env[L.ENV_MESH] = str(layout["mesh"])
-        env[L.ENV_MICROBATCHES] = str(int(layout["microbatches"]))
-    faults = [f for f in (env.get(L.ENV_FAULTS, "").split(";") + faults) if f.strip()]
+        env[bootstrap.ENV_MESH] = str(layout["mesh"])
+        env[bootstrap.ENV_MICROBATCHES] = str(int(layout["microbatches"]))
+    faults = [f for f in (env.get(bootstrap.ENV_FAULTS, "").split(";") + faults) if f.strip()]
     if faults:
-        env[L.ENV_FAULTS] = ";".join(dict.fromkeys(faults))
+        env[bootstrap.ENV_FAULTS] = ";".join(dict.fromkeys(faults))
     ids = range(local_rank * devices_per_proc, (local_rank + 1) * devices_per_proc)
     env.setdefault("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, ids)))  # accelerators only
     return env

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxpar.runlog import S
+from jaxpar.rundir.runlog import S
 from jaxpar.supervisor.channel import (
     HANDSHAKE_S,
     Channel,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from jaxpar import cli
-from jaxpar import launch as L
+from jaxpar.worker import bootstrap
 from tests.helpers import REPO
 
 MANIFEST = REPO / "deploy" / "k8s" / "jobset.yaml"
@@ -144,16 +144,16 @@ def test_indexed_job_environment_detection(jobset):
     from jaxpar.supervisor import worker_env
 
     pod1 = _pod_env(jobset, 1)
-    assert L.detect_cluster(pod1) is None  # the agent itself starts no jax
+    assert bootstrap.detect_cluster(pod1) is None  # the agent itself starts no jax
     worker = worker_env(pod1, coordinator="jaxpar-hosts-0-0.jaxpar:41000", bind="[::]:41000",
                         nproc=16, process_id=9, local_rank=1, devices_per_proc=1, run_dir="/runs/x",
                         incarnation=0, faults=[], heartbeat_timeout=60, collective_timeout=60)  # fmt: skip
-    assert L.detect_cluster(worker) == "explicit"
-    assert worker[L.ENV_PROCESS_ID] == "9" and worker["JOB_COMPLETION_INDEX"] == "1"
+    assert bootstrap.detect_cluster(worker) == "explicit"
+    assert worker[bootstrap.ENV_PROCESS_ID] == "9" and worker["JOB_COMPLETION_INDEX"] == "1"
     assert worker["JAX_LOCAL_DEVICE_IDS"] == "1"  # the second GPU of this pod
-    direct = dict(pod1, **{L.ENV_COORDINATOR: "jaxpar-hosts-0-0.jaxpar:1234",
-                           L.ENV_NUM_PROCESSES: "2"})  # fmt: skip
-    assert L.detect_cluster(direct) == "k8s"
+    direct = dict(pod1, **{bootstrap.ENV_COORDINATOR: "jaxpar-hosts-0-0.jaxpar:1234",
+                           bootstrap.ENV_NUM_PROCESSES: "2"})  # fmt: skip
+    assert bootstrap.detect_cluster(direct) == "k8s"
 
 
 @pytest.mark.slow
@@ -165,15 +165,15 @@ def test_indexed_job_pods_initialize_jax_distributed(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("from jaxpar import launch; launch.configure_devices(); "
-            "assert launch.initialize_from_env(); import jax; "
-            "print(launch.detect_cluster(), jax.process_index(), jax.process_count(), "
+    code = ("from jaxpar.worker import bootstrap; bootstrap.configure_devices(); "
+            "assert bootstrap.initialize_from_env(); import jax; "
+            "print(bootstrap.detect_cluster(), jax.process_index(), jax.process_count(), "
             "jax.device_count())")  # fmt: skip
     procs = []
     for index in (0, 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXPAR_", "SLURM_"))}
-        env.update({"JOB_COMPLETION_INDEX": str(index), L.ENV_COORDINATOR: f"127.0.0.1:{port}",
-                    L.ENV_NUM_PROCESSES: "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})  # fmt: skip
+        env.update({"JOB_COMPLETION_INDEX": str(index), bootstrap.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    bootstrap.ENV_NUM_PROCESSES: "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
     try:

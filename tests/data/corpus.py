@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sysconfig
 
-from jaxpar.prepare import prepare
+from jaxpar.data.prepare import prepare
 
 VOCAB = 512
 PACKAGES = ("json", "email")

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar import bench_data, trainer
+from jaxpar.bench import data
 from jaxpar.config import DataConfig, resolve_recipe
+from jaxpar.worker import training
 
 
 def test_bytes_read_per_process_fall_as_one_over_processes(tokens_corpus):
     cfg = resolve_recipe("gpt_tiny")
-    cfg = trainer.vocab_from_data(
+    cfg = training.vocab_from_data(
         dataclasses.replace(cfg, data=DataConfig(source="tokens", path=tokens_corpus))
     )
-    rates = [bench_data._source_rate(cfg, p, steps=3) for p in bench_data.PROCESSES]
+    rates = [data._source_rate(cfg, p, steps=3) for p in data.PROCESSES]
     window_bytes = (cfg.model.seq_len + 1) * 2  # uint16 ids
     for r in rates:
         assert r["rows_per_step"] == 32 // r["processes"]

@@ -14,8 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpar import data as data_lib
-from jaxpar.metrics import read_jsonl
+from jaxpar.data import sources as data_lib
+from jaxpar.rundir.runlog import read_jsonl
 from tests.helpers import REPO, cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_greedy_sample_is_deterministic_and_continues_the_prompt(dp8_run):
 
 
 def test_exported_parameters_give_the_checkpoints_eval_loss(dp8_run, tokens_corpus, tmp_path):
-    from jaxpar.export import config_path, load_model
+    from jaxpar.tools.export import config_path, load_model
 
     out = str(tmp_path / "gpt.safetensors")
     jaxpar("export", str(dp8_run), "--out", out)

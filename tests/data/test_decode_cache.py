@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.models.gpt import GPTConfig
-from jaxpar.sample import Codec, generate
+from jaxpar.tools.sample import Codec, generate
 
 CFG = GPTConfig(vocab_size=300, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_mlp=64)
 

@@ -10,10 +10,10 @@ import shutil
 import numpy as np
 import pytest
 
-from jaxpar import data as data_lib
-from jaxpar import trainer
 from jaxpar.config import DataConfig, resolve_recipe
-from jaxpar.data_tokens import TokenSource
+from jaxpar.data import sources as data_lib
+from jaxpar.data.tokens import TokenSource
+from jaxpar.worker import training
 
 SEQ = 64
 
@@ -91,7 +91,7 @@ def test_processes_read_disjoint_rows_whose_union_is_the_global_batch(tokens_cor
 
 
 def test_a_window_may_cross_shards(tokens_corpus, tmp_path):
-    from jaxpar.prepare import prepare
+    from jaxpar.data.prepare import prepare
     from tests.data.corpus import inputs
 
     out = tmp_path / "small-shards"
@@ -148,11 +148,11 @@ def test_vocab_comes_from_meta_and_a_mismatch_is_an_error(tokens_corpus):
     cfg = resolve_recipe("gpt_tiny")
     cfg = dataclasses.replace(cfg, data=DataConfig(source="tokens", path=tokens_corpus))
     assert cfg.model.vocab_size == 256
-    assert trainer.vocab_from_data(cfg).model.vocab_size == 512
+    assert training.vocab_from_data(cfg).model.vocab_size == 512
     with pytest.raises(ValueError, match="model.vocab_size=256 but the data .* vocabulary of 512"):
-        trainer.vocab_from_data(cfg, explicit=True)
+        training.vocab_from_data(cfg, explicit=True)
     with pytest.raises(ValueError, match="set --set model.vocab_size=512"):
-        trainer.check_vocab(cfg, trainer.make_source(cfg))
+        training.check_vocab(cfg, training.make_source(cfg))
 
 
 def test_user_sources_by_object_factory_and_name(tokens_corpus):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxpar.metrics import read_jsonl
+from jaxpar.rundir.runlog import read_jsonl
 from tests.helpers import REPO
 from tests.multiprocess.launch_util import clean_env, kill_workers
 

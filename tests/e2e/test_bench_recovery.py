@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxpar import bench_recovery
+from jaxpar.bench import recovery
 from tests.helpers import XLA_TEST_FLAGS, cpu_env, ok, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -58,7 +58,7 @@ def test_bench_recovery_quick(tmp_path):
     assert hang["paths"] == ["standby"] and hang["restore_tiers"] == ["local"]
     assert hang["causes"] == ["hang"] and cold["causes"] == standby["causes"] == ["signal"]
     assert (
-        hang["detect_s"] >= bench_recovery.HANG_TIMEOUT_S
+        hang["detect_s"] >= recovery.HANG_TIMEOUT_S
         and r["standby_hang_s"] == hang["recovery_s"] >= hang["detect_s"]
     )
     # killed at step 6 with a checkpoint at 3: the persistent tier loses 2 steps, RAM at most 1

@@ -9,14 +9,15 @@ import json
 
 import pytest
 
-from jaxpar import bench, cli
+from jaxpar import cli
+from jaxpar.bench import harness
 
 
 def test_every_suite_resolves_to_a_function_of_one_bench():
     assert {"overhead", "meshes", "checkpoint", "recovery", "pipeline", "comm", "precision"} <= set(
-        bench.SUITES
+        harness.SUITES
     )
-    for name, suite in bench.SUITES.items():
+    for name, suite in harness.SUITES.items():
         mod, fn = suite.target.split(":")
         params = list(inspect.signature(getattr(importlib.import_module(mod), fn)).parameters)
         assert len(params) == 1, f"{name}: {suite.target} takes {params}, not one Bench"
@@ -27,22 +28,22 @@ def test_help_lists_every_suite_with_its_duration(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
-    for name, suite in bench.SUITES.items():
+    for name, suite in harness.SUITES.items():
         assert f"  {name} " in out and suite.duration in out
 
 
 def test_unknown_suite_and_duplicate_registration_are_errors(tmp_path):
-    b = bench.Bench(cfg=None, out_dir=str(tmp_path))
+    b = harness.Bench(cfg=None, out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="unknown bench suite 'nope'; use one of checkpoint"):
-        bench.run_suite("nope", b)
+        harness.run_suite("nope", b)
     with pytest.raises(ValueError, match="registered twice"):
-        bench.register("comm", "jaxpar.bench_comm:run", "again", "~1 min")
+        harness.register("comm", "jaxpar.bench.comm:run", "again", "~1 min")
 
 
 def test_write_prints_table_and_path(tmp_path, capsys):
-    b = bench.Bench(cfg=None, out_dir=str(tmp_path / "out"))
+    b = harness.Bench(cfg=None, out_dir=str(tmp_path / "out"))
     result = b.write(
-        "demo", {"suite": "demo", "x": 1}, bench.table(["a", "b"], [[1, 2]], "---|---:")
+        "demo", {"suite": "demo", "x": 1}, harness.table(["a", "b"], [[1, 2]], "---|---:")
     )
     out = capsys.readouterr().out
     path = tmp_path / "out" / "demo.json"
@@ -51,20 +52,20 @@ def test_write_prints_table_and_path(tmp_path, capsys):
 
 
 def test_bench_takes_the_recipe_and_overrides():
-    b = bench.Bench.create("digits_mlp", ["train.steps=3"], quick=True)
+    b = harness.Bench.create("digits_mlp", ["train.steps=3"], quick=True)
     assert b.cfg.train.steps == 3 and b.recipe == "digits_mlp" and not b.default_recipe
-    assert bench.Bench.create().default_recipe
-    assert not bench.Bench.create(overrides=["train.steps=3"]).default_recipe
+    assert harness.Bench.create().default_recipe
+    assert not harness.Bench.create(overrides=["train.steps=3"]).default_recipe
 
 
 def test_recovery_paths_are_checked_before_anything_runs(tmp_path, capsys):
-    from jaxpar import bench_recovery
+    from jaxpar.bench import recovery
 
-    assert bench_recovery.selected(()) == list(bench_recovery.MODES)
-    assert bench_recovery.selected(("standby-hang", "cold")) == ["cold", "standby-hang"]
-    b = bench.Bench.create(out_dir=str(tmp_path / "out"), paths=("standby", "warm"))
+    assert recovery.selected(()) == list(recovery.MODES)
+    assert recovery.selected(("standby-hang", "cold")) == ["cold", "standby-hang"]
+    b = harness.Bench.create(out_dir=str(tmp_path / "out"), paths=("standby", "warm"))
     with pytest.raises(ValueError, match="unknown restart path.*warm.*use some of cold"):
-        bench.run_suite("recovery", b)
+        harness.run_suite("recovery", b)
     # another suite refuses the option with one line naming the fix, and writes nothing
     assert cli.main(["bench", "meshes", "--paths", "standby", "--out", str(tmp_path / "o")]) == 2
     assert "--paths applies to `jaxpar bench recovery` only" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.metrics import read_jsonl
+from jaxpar.rundir.runlog import read_jsonl
 from tests.helpers import REPO, cpu_env
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
-from jaxpar import report, runlog
-from jaxpar.metrics import append_line, last_per_step, read_jsonl, read_tensorboard
+from jaxpar.rundir import runlog
+from jaxpar.rundir.runlog import append_line, last_per_step, read_jsonl
+from jaxpar.rundir.writer import read_tensorboard
+from jaxpar.tools import report
 from tests import helpers
 
 PNG = b"\x89PNG\r\n\x1a\n"

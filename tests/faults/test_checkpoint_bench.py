@@ -12,13 +12,13 @@ import os
 
 import pytest
 
-from jaxpar import bench_checkpoint
-from jaxpar.bench import Bench
+from jaxpar.bench import checkpoint
+from jaxpar.bench.harness import Bench
 
 
 @pytest.mark.slow
 def test_quick_checkpoint_bench_reports_blocking_and_throughput(tmp_path, capsys, devices8):
-    result = bench_checkpoint.run(Bench.create(quick=True, out_dir=str(tmp_path)))
+    result = checkpoint.run(Bench.create(quick=True, out_dir=str(tmp_path)))
     table = capsys.readouterr().out
     assert "| sync / async blocking |" in table and "| throughput cost of saving |" in table
     with open(tmp_path / "checkpoint.json") as f:
@@ -27,7 +27,7 @@ def test_quick_checkpoint_bench_reports_blocking_and_throughput(tmp_path, capsys
     assert result["state_mb"] > 1
     for key in ("async_blocking_s", "sync_blocking_s", "async_commit_s"):
         assert result[key] > 0, key
-    plan = bench_checkpoint.QUICK
+    plan = checkpoint.QUICK
     assert result["saves"] == plan["rounds"]
     assert result["tokens_per_s_no_saves"] > 0 and result["tokens_per_s_with_saves"] > 0
     assert not list(tmp_path.glob("checkpoint-bench"))  # its checkpoints are removed

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from jaxpar.checkpoint import CORRUPT_SUFFIX, TMP_SUFFIX
-from jaxpar.launch import EXIT_NAN, EXIT_PREEMPTED, EXIT_REPLICA
-from jaxpar.metrics import read_jsonl
+from jaxpar.recovery.checkpoint import CORRUPT_SUFFIX, TMP_SUFFIX
+from jaxpar.rundir.runlog import read_jsonl
+from jaxpar.worker.bootstrap import EXIT_NAN, EXIT_PREEMPTED, EXIT_REPLICA
 from tests.helpers import SMALL, assert_exact, events, losses, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.checkpoint import (
+from jaxpar.engine.mesh import make_mesh
+from jaxpar.recovery.checkpoint import (
     CORRUPT_SUFFIX,
     TMP_SUFFIX,
     Checkpointer,
@@ -31,7 +32,9 @@ from jaxpar.checkpoint import (
     checksums,
     replica_mismatches,
 )
-from jaxpar.faults import (
+from jaxpar.recovery.orbax_loop import asyncio_utils
+from jaxpar.rundir.writer import RunDir
+from jaxpar.worker.faults import (
     Faults,
     FaultSpec,
     array_data_files,
@@ -40,9 +43,6 @@ from jaxpar.faults import (
     perturb_local_replicas,
     zstd_raw_blocks,
 )
-from jaxpar.mesh import make_mesh
-from jaxpar.metrics import RunDir
-from jaxpar.orbax_loop import asyncio_utils
 
 # An exception raised where nothing can catch it (a callback on a closed event loop) fails the test.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -362,7 +362,7 @@ def test_faults_fire_once_per_run_dir_and_repeat_every_time(tmp_path):
 
 def test_slow_sleeps_from_s_and_after_a_restore_past_s(tmp_path, monkeypatch):
     naps: list[float] = []
-    monkeypatch.setattr("jaxpar.faults.time.sleep", naps.append)
+    monkeypatch.setattr("jaxpar.worker.faults.time.sleep", naps.append)
     for spec, again in (("slow@3:seconds=2:repeat", [2.0, 2.0]), ("slow@3:seconds=1", [])):
         run_dir = str(tmp_path / spec)
         first = Faults(parse_all([spec]), RunDir(run_dir), process_index=0)

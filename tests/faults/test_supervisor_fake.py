@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.runlog import TMP_SUFFIX
+from jaxpar.rundir.runlog import TMP_SUFFIX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 from launch_util import Launch, clean_env, fake_cmd  # noqa: E402

@@ -12,8 +12,8 @@ import time
 import pytest
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 
-from jaxpar import save_watch
-from jaxpar.checkpoint import TMP_SUFFIX, is_disk_full
+from jaxpar.recovery import save_watch
+from jaxpar.recovery.checkpoint import TMP_SUFFIX, is_disk_full
 from tests.multiprocess.launch_util import Launch, train_cmd
 
 # no restart happens here (a full disk stops the job): no spares

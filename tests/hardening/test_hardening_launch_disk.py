@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from jaxpar.runlog import read_jsonl_counted
+from jaxpar.rundir.runlog import read_jsonl_counted
 from tests.multiprocess.launch_util import Launch, losses, train_cmd
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from jaxpar.launch import EXIT_NAN, EXIT_NO_SPACE
-from jaxpar.runlog import read_jsonl, read_jsonl_counted
+from jaxpar.rundir.runlog import read_jsonl, read_jsonl_counted
+from jaxpar.worker.bootstrap import EXIT_NAN, EXIT_NO_SPACE
 from tests.helpers import REPO, cpu_env, events, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_a_ctrl_c_after_the_interrupt_save_exits_quietly(tmp_path):
     script = (
         "import os, signal, sys, time\n"
         "from jaxpar.api import run_worker\n"
-        "from jaxpar.checkpoint import Preempted\n"
+        "from jaxpar.recovery.checkpoint import Preempted\n"
         "def main():\n"
         "    raise Preempted('interrupted at step 3; checkpoint saved', 3, interrupted=True,\n"
         f"                    run_dir={str(tmp_path)!r})\n"

@@ -14,9 +14,9 @@ import sys
 import pytest
 from hardening_util import call, snapshot
 
-from jaxpar import rundir
-from jaxpar.metrics import RunDir
-from jaxpar.runlog import append_line, read_jsonl, read_jsonl_counted, write_json
+from jaxpar.rundir import ownership
+from jaxpar.rundir.runlog import append_line, read_jsonl, read_jsonl_counted, write_json
+from jaxpar.rundir.writer import RunDir
 from tests.helpers import SMALL
 from train import __main__ as train_main
 
@@ -74,7 +74,7 @@ def test_half_made_run_dir_is_not_left_behind(capsys, tmp_path):
 
 def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(capsys, tmp_path):
     run_dir = tmp_path / "run"
-    lock = rundir.acquire(str(run_dir), "jaxpar launch")
+    lock = ownership.acquire(str(run_dir), "jaxpar launch")
     try:
         before = snapshot(run_dir)
         argv = ["--run-dir", str(run_dir), "--steps", "2", "--set", "model.n_layers=1"]
@@ -83,44 +83,44 @@ def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(capsys, tmp_pa
         assert len(err.strip().splitlines()) == 1, err
         assert f"pid {os.getpid()}" in err and "jaxpar launch" in err and "in use" in err, err
         assert snapshot(run_dir) == before
-        with pytest.raises(rundir.RunDirLocked, match=f"pid {os.getpid()}"):
-            rundir.acquire(str(run_dir), "python -m train")
+        with pytest.raises(ownership.RunDirLocked, match=f"pid {os.getpid()}"):
+            ownership.acquire(str(run_dir), "python -m train")
     finally:
         lock.release()
-    rundir.acquire(str(run_dir), "python -m train").release()  # free again
+    ownership.acquire(str(run_dir), "python -m train").release()  # free again
 
 
 def test_workers_run_under_their_supervisors_lock(tmp_path, monkeypatch):
     run_dir = str(tmp_path / "run")
-    lock = rundir.acquire(run_dir, "jaxpar launch")
+    lock = ownership.acquire(run_dir, "jaxpar launch")
     try:
-        monkeypatch.setenv(rundir.ENV_RUN_LOCK, "not-the-token")
-        with pytest.raises(rundir.RunDirLocked):
-            rundir.acquire_or_inherit(run_dir, "python -m train")
-        monkeypatch.setenv(rundir.ENV_RUN_LOCK, lock.env()[rundir.ENV_RUN_LOCK])
-        inherited = rundir.acquire_or_inherit(run_dir, "python -m train")
+        monkeypatch.setenv(ownership.ENV_RUN_LOCK, "not-the-token")
+        with pytest.raises(ownership.RunDirLocked):
+            ownership.acquire_or_inherit(run_dir, "python -m train")
+        monkeypatch.setenv(ownership.ENV_RUN_LOCK, lock.env()[ownership.ENV_RUN_LOCK])
+        inherited = ownership.acquire_or_inherit(run_dir, "python -m train")
         assert inherited.fd is None and inherited.token == lock.token
         inherited.release()  # a no-op: the supervisor still holds it
-        assert rundir.held(run_dir)
+        assert ownership.held(run_dir)
     finally:
         lock.release()
-    assert not rundir.held(run_dir)
+    assert not ownership.held(run_dir)
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     run_dir = tmp_path / "run"
     code = (
-        "import os, sys; from jaxpar import rundir; "
-        "rundir.acquire(sys.argv[1], 'python -m train'); os._exit(0)"
+        "import os, sys; from jaxpar.rundir import ownership; "
+        "ownership.acquire(sys.argv[1], 'python -m train'); os._exit(0)"
     )  # dies holding the lock, without releasing it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code, str(run_dir)], check=True, env=env, timeout=300)
-    dead = rundir.read_holder(str(run_dir))
-    assert dead["pid"] != os.getpid() and not rundir.held(str(run_dir))
-    lock = rundir.acquire(str(run_dir), "python -m train")
+    dead = ownership.read_holder(str(run_dir))
+    assert dead["pid"] != os.getpid() and not ownership.held(str(run_dir))
+    lock = ownership.acquire(str(run_dir), "python -m train")
     try:
         assert lock.took_over["pid"] == dead["pid"]
-        assert rundir.read_holder(str(run_dir))["pid"] == os.getpid()
+        assert ownership.read_holder(str(run_dir))["pid"] == os.getpid()
     finally:
         lock.release()
 
@@ -178,13 +178,13 @@ def test_clearing_a_run_dir_folder_never_follows_symlinks_out(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     os.symlink(outside, run_dir / "heartbeats")  # the folder itself is a symlink
-    path = rundir.clear_dir(str(run_dir), "heartbeats")
+    path = ownership.clear_dir(str(run_dir), "heartbeats")
     assert os.path.isdir(path) and not os.path.islink(path)
     assert (outside / "keep.txt").read_text() == "keep"
     (run_dir / "heartbeats" / "proc0.json").write_text("{}")
     os.symlink(outside, run_dir / "heartbeats" / "link")  # an entry is a symlink
     os.symlink(outside / "keep.txt", run_dir / "heartbeats" / "file-link")
-    rundir.clear_dir(str(run_dir), "heartbeats")
+    ownership.clear_dir(str(run_dir), "heartbeats")
     assert os.listdir(run_dir / "heartbeats") == []
     assert (outside / "keep.txt").read_text() == "keep"
 
@@ -200,24 +200,24 @@ def fill(fs) -> None:
 
 
 def test_heartbeat_on_a_full_disk_leaves_no_temporary_file(small_fs, monkeypatch):
-    from jaxpar import launch
+    from jaxpar.worker import bootstrap
 
-    monkeypatch.setitem(launch._state, "hb_dir", None)  # a fresh run directory for this process
-    monkeypatch.setitem(launch._state, "history", [])
+    monkeypatch.setitem(bootstrap._state, "hb_dir", None)  # a fresh run directory for this process
+    monkeypatch.setitem(bootstrap._state, "history", [])
     run_dir = small_fs / "run"
-    launch.heartbeat(str(run_dir), 1)
+    bootstrap.heartbeat(str(run_dir), 1)
     fill(small_fs)
     with pytest.raises(OSError) as e:
-        launch.heartbeat(str(run_dir), 2)
+        bootstrap.heartbeat(str(run_dir), 2)
     assert e.value.errno == errno.ENOSPC
     assert os.listdir(run_dir / "heartbeats") == ["proc0.json"]
-    assert launch.read_heartbeat(str(run_dir / "heartbeats" / "proc0.json"))["step"] == 1
+    assert bootstrap.read_heartbeat(str(run_dir / "heartbeats" / "proc0.json"))["step"] == 1
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_anything_is_written(small_fs):
     import jax.numpy as jnp
 
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.recovery.checkpoint import Checkpointer
 
     run = RunDir(str(small_fs / "run"))
     ckpt = Checkpointer(run, every=1, keep=2, meta={"config_hash": "c"})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from jaxpar.metrics import read_jsonl
+from jaxpar.rundir.runlog import read_jsonl
 from tests.helpers import SMALL, cpu_env, losses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,22 +32,23 @@ def train_cmd(steps: int, every: int, *extra: str, local_every: int = 0) -> list
     ]  # fmt: skip
 
 
-# A worker without jax that follows the worker contract: heartbeats via jaxpar.launch, metrics
-# and events through jaxpar.metrics.RunDir with the incarnation it is given, SIGUSR1 dumps its
+# A worker without jax that follows the worker contract: heartbeats via jaxpar.worker.bootstrap, metrics
+# and events through jaxpar.rundir.writer.RunDir with the incarnation it is given, SIGUSR1 dumps its
 # stack. Argv: MODE STEPS; modes: train, crash (process 1 exits 3 at step 2, once its peers wait
 # there), hang (process 1 stops at step 3 in incarnation 0), usage (exit 2), nospace (process 1
 # leaves an uncommitted save folder of step 2 and exits 46 there, like a save that hit ENOSPC).
 FAKE_WORKER = """
 import os, signal, sys, time
-from jaxpar import launch, runlog
-from jaxpar.metrics import RunDir
+from jaxpar.worker import bootstrap
+from jaxpar.rundir import runlog
+from jaxpar.rundir.writer import RunDir
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 run_dir = os.environ["JAXPAR_RUN_DIR"]
 p, inc = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_INCARNATION"])
 run = RunDir(run_dir, p, inc)
-launch.install_stack_dump()
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(launch.EXIT_PREEMPTED))
+bootstrap.install_stack_dump()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(bootstrap.EXIT_PREEMPTED))
 if mode == "usage":
     sys.exit(2)
 run.event("start", nproc=int(os.environ["JAXPAR_NUM_PROCESSES"]))
@@ -60,7 +61,7 @@ def collective(step, others=False):  # like an all-reduce: nobody passes step un
     n = int(os.environ["JAXPAR_NUM_PROCESSES"])
     peers = [q for q in range(n) if not (others and q == p)]
     while True:
-        hbs = [launch.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in peers]
+        hbs = [bootstrap.read_heartbeat(f"{run_dir}/heartbeats/proc{q}.json") for q in peers]
         if all(h and h["incarnation"] == inc and h["step"] >= step for h in hbs):
             return
         time.sleep(0.01)
@@ -75,10 +76,10 @@ for step in range(steps):
         os.makedirs(f"{tmp}/state", exist_ok=True)
         with open(f"{tmp}/state/shard", "wb") as f:
             f.write(b"x" * 4096)
-        sys.exit(launch.EXIT_NO_SPACE)
+        sys.exit(bootstrap.EXIT_NO_SPACE)
     if mode == "hang" and p == 1 and step == 3 and inc == 0:
         stuck_here()
-    launch.heartbeat(run_dir, step)
+    bootstrap.heartbeat(run_dir, step)
     collective(step)
     time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
     run.metrics({"step": step + 1, "loss": 1.0 / (step + 1), "step_time_s": 0.05,

@@ -1,7 +1,7 @@
 """Worker set-up from the environment a cluster launcher gives: 2 real processes on 127.0.0.1
 with the variables SLURM (srun), Open MPI (mpirun) or a Kubernetes Indexed Job would set, each
 running jax.distributed over gloo and one collective; and the fast exit of a survivor whose peer
-died (`launch.guard()` -> exit code 43 instead of waiting in jax's shutdown barrier).
+died (`bootstrap.guard()` -> exit code 43 instead of waiting in jax's shutdown barrier).
 
     python -m pytest tests/multiprocess/test_launch_env.py -m slow
 """
@@ -18,29 +18,29 @@ import time
 import pytest
 from launch_util import REPO, clean_env
 
-from jaxpar.launch import EXIT_COLLECTIVE
+from jaxpar.worker.bootstrap import EXIT_COLLECTIVE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROBE = """
-from jaxpar import launch
-launch.configure_devices()
-assert launch.initialize_from_env(), "no cluster environment detected"
+from jaxpar.worker import bootstrap
+bootstrap.configure_devices()
+assert bootstrap.initialize_from_env(), "no cluster environment detected"
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
 got = multihost_utils.process_allgather(jnp.asarray([jax.process_index()]))
-print("PROBE", launch.detect_cluster(), jax.process_count(), jax.process_index(),
+print("PROBE", bootstrap.detect_cluster(), jax.process_count(), jax.process_index(),
       jax.device_count(), got.ravel().tolist(), flush=True)
 """
 
 PEER_DIES = """
 import os, time
-from jaxpar import launch
-launch.configure_devices()
-launch.initialize_from_env()
+from jaxpar.worker import bootstrap
+bootstrap.configure_devices()
+bootstrap.initialize_from_env()
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
-with launch.guard():
+with bootstrap.guard():
     multihost_utils.process_allgather(jnp.ones(1))  # both up
     if jax.process_index() == 1:
         os.kill(os.getpid(), 9)

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from jaxpar import snapshot
+from jaxpar.recovery import local_tier
 from tests.helpers import LOCAL_ENV, SMALL, assert_exact, events, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_kill_at_random_step_resumes_from_local_tier_exactly(ckpt_reference, tmp
     (stats,) = events(run_dir, "local_tier_stats")
     assert stats["snapshots"] == STEPS - restore["step"] and stats["max_held"] <= 2
     # the run completed: its final state is persistent, its snapshots are gone from RAM
-    assert not os.path.exists(snapshot.node_dir(os.environ[LOCAL_ENV], str(run_dir)))
+    assert not os.path.exists(local_tier.node_dir(os.environ[LOCAL_ENV], str(run_dir)))
 
 
 def test_torn_snapshot_falls_back_to_previous(ckpt_reference, tmp_path):

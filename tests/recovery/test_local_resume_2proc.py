@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 from launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
 
-from jaxpar import snapshot  # noqa: E402
+from jaxpar.recovery import local_tier  # noqa: E402
 from tests.helpers import assert_exact  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -92,7 +92,7 @@ def _alive_with(run_dir: Path) -> list[int]:
 def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     run_dir = tmp_path / "run"
     roots = [tmp_path / "ram0", tmp_path / "ram1"]
-    node0 = snapshot.node_dir(str(roots[0]), str(run_dir))
+    node0 = local_tier.node_dir(str(roots[0]), str(run_dir))
     # node 0 (the leader's host) is lost at step 7: the job dies with it; it is then started
     # again on a replacement host with empty RAM, as a scheduler requeueing the job would
     agents = _two_nodes(run_dir, roots, ["--fault", "losthost@7:node=0"])

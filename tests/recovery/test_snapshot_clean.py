@@ -11,19 +11,19 @@ import shutil
 
 from test_snapshot_unit import _abstract, _events, _mesh, _state, _tier
 
-from jaxpar import snapshot, snapshot_clean
-from jaxpar.metrics import RunDir
+from jaxpar.recovery import local_tier, local_tier_clean
+from jaxpar.rundir.writer import RunDir
 
 
 def _node(root, run_path) -> str:
-    return snapshot.node_dir(str(root), str(run_path))
+    return local_tier.node_dir(str(root), str(run_path))
 
 
 def _claimed(root, run_path) -> str:
     """A node folder of `run_path` as a run writes it: marker, one process's slot data."""
     run_path.mkdir(parents=True, exist_ok=True)
     node = _node(root, run_path)
-    snapshot_clean.claim(node, str(run_path), snapshot_clean.run_id(str(run_path)))
+    local_tier_clean.claim(node, str(run_path), local_tier_clean.run_id(str(run_path)))
     os.makedirs(os.path.join(node, "proc0", "slot0"))
     with open(os.path.join(node, "proc0", "slot0", "data.bin"), "wb") as f:
         f.write(b"\0" * 64)
@@ -31,13 +31,13 @@ def _claimed(root, run_path) -> str:
 
 
 def test_run_id_is_created_once_and_garbage_is_replaced(tmp_path):
-    first = snapshot_clean.run_id(str(tmp_path))
-    assert snapshot_clean.run_id(str(tmp_path)) == first == snapshot_clean.read_run_id(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [snapshot_clean.RUN_ID_FILE]  # no temporary file
-    (tmp_path / snapshot_clean.RUN_ID_FILE).write_bytes(b"\xff garbage")
-    assert snapshot_clean.read_run_id(str(tmp_path)) is None
-    again = snapshot_clean.run_id(str(tmp_path))
-    assert again != first and snapshot_clean.read_run_id(str(tmp_path)) == again
+    first = local_tier_clean.run_id(str(tmp_path))
+    assert local_tier_clean.run_id(str(tmp_path)) == first == local_tier_clean.read_run_id(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [local_tier_clean.RUN_ID_FILE]  # no temporary file
+    (tmp_path / local_tier_clean.RUN_ID_FILE).write_bytes(b"\xff garbage")
+    assert local_tier_clean.read_run_id(str(tmp_path)) is None
+    again = local_tier_clean.run_id(str(tmp_path))
+    assert again != first and local_tier_clean.read_run_id(str(tmp_path)) == again
 
 
 def test_stale_folders_go_and_nothing_else_is_touched(tmp_path):
@@ -49,7 +49,7 @@ def test_stale_folders_go_and_nothing_else_is_touched(tmp_path):
     remade = _claimed(root, runs / "remade")
     shutil.rmtree(runs / "remade")
     (runs / "remade").mkdir()
-    snapshot_clean.run_id(str(runs / "remade"))  # made again, started once: another run
+    local_tier_clean.run_id(str(runs / "remade"))  # made again, started once: another run
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / "keep.txt").write_text("keep")
@@ -64,11 +64,11 @@ def test_stale_folders_go_and_nothing_else_is_touched(tmp_path):
     this = runs / "this"
     this.mkdir()
     node = _node(root, this)
-    snapshot_clean.claim(node, str(this), snapshot_clean.run_id(str(this)))  # an earlier start
+    local_tier_clean.claim(node, str(this), local_tier_clean.run_id(str(this)))  # an earlier start
     os.makedirs(os.path.join(node, "proc3", "slot0"))  # a process index the job no longer has
     os.makedirs(os.path.join(node, "peer", "proc2"))
     os.makedirs(os.path.join(node, "peer", "proc1"))
-    ident, removed = snapshot_clean.prepare(str(root), node, str(this), nproc=2)
+    ident, removed = local_tier_clean.prepare(str(root), node, str(this), nproc=2)
 
     assert sorted(removed) == sorted([
         gone, remade, os.path.join(node, "proc3"), os.path.join(node, "peer", "proc2")
@@ -81,8 +81,8 @@ def test_stale_folders_go_and_nothing_else_is_touched(tmp_path):
         root / "run-fedcba9876543210"
     )
     assert os.path.isdir(os.path.join(node, "peer", "proc1"))
-    owner = snapshot_clean._owner(node)
-    assert owner["run_id"] == ident == snapshot_clean.read_run_id(str(this))
+    owner = local_tier_clean._owner(node)
+    assert owner["run_id"] == ident == local_tier_clean.read_run_id(str(this))
     assert owner["run_dir"] == os.path.realpath(this)
 
 

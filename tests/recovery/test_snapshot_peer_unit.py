@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import snapshot, snapshot_peer
-from jaxpar.metrics import RunDir
-from jaxpar.snapshot_store import DATA
+from jaxpar.recovery import local_tier, peer_tier
+from jaxpar.recovery.local_tier_store import DATA
+from jaxpar.rundir.writer import RunDir
 
 TOKEN = "t" * 32
 
@@ -30,7 +30,7 @@ TOKEN = "t" * 32
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXPAR_COORDINATOR", "127.0.0.1:1")  # the address the server binds
-    srv = snapshot_peer.Server(str(tmp_path / "node"), nproc=2, limit=1 << 20)
+    srv = peer_tier.Server(str(tmp_path / "node"), nproc=2, limit=1 << 20)
     slots = srv.slots(0)
     d = slots.begin(0)
     with open(os.path.join(d, DATA), "wb") as f:
@@ -66,7 +66,7 @@ def _peers(server, holder_addr):
     tier = SimpleNamespace(process=0, run=run)
     offers = [{"token": TOKEN, "addr": ["127.0.0.1", 1], "held": {}},
               {"token": None, "addr": holder_addr, "held": {"0": [5]}}]  # fmt: skip
-    return snapshot_peer.Peers(tier, server, offers, [[0], [1]])
+    return peer_tier.Peers(tier, server, offers, [[0], [1]])
 
 
 def test_fetch_gets_the_copy_and_says_why_not(server, monkeypatch):
@@ -76,7 +76,7 @@ def test_fetch_gets_the_copy_and_says_why_not(server, monkeypatch):
     assert marker["step"] == 5 and bytes(data) == b"x" * 100 and why == ""
     assert peers.fetch(4)[2] == "no copy (own or peer)"
     sleeps = []  # the pauses between retry rounds
-    monkeypatch.setattr(snapshot_peer.time, "sleep", sleeps.append)
+    monkeypatch.setattr(peer_tier.time, "sleep", sleeps.append)
     peers.offers[1]["held"]["0"].append(4)  # listed, yet gone: refused, not retried
     marker, _, why = peers.fetch(4)
     assert marker is None and "no such copy" in why and sleeps == [], (why, sleeps)
@@ -85,16 +85,16 @@ def test_fetch_gets_the_copy_and_says_why_not(server, monkeypatch):
         dead = ["127.0.0.1", s.getsockname()[1]]
     marker, _, why = _peers(server, dead).fetch(5)
     assert marker is None and why.startswith("peer copy not fetched") and "Error" in why, why
-    assert len(sleeps) == snapshot_peer.FETCH_ATTEMPTS - 1, sleeps
+    assert len(sleeps) == peer_tier.FETCH_ATTEMPTS - 1, sleeps
     peers.close()
 
 
 def test_offered_and_candidates():
     offers = [{"own": [], "held": {"1": [4, 5]}}, {"own": [5, 6], "held": {"0": [5, 6]}}]
-    assert snapshot.candidates(offers, 2) == [6, 5]
+    assert local_tier.candidates(offers, 2) == [6, 5]
     offers = [{"own": [], "held": {}}, {"own": [5], "held": {"0": [5, 6]}}]
-    assert snapshot.candidates(offers, 2) == [5]
-    assert snapshot.offered(offers, 2) == {5, 6}
+    assert local_tier.candidates(offers, 2) == [5]
+    assert local_tier.offered(offers, 2) == {5, 6}
 
 
 def test_unusable_snapshots_are_recorded_as_a_fallback(tmp_path):
@@ -104,7 +104,7 @@ def test_unusable_snapshots_are_recorded_as_a_fallback(tmp_path):
     run = RunDir(str(tmp_path / "run"))
 
     def tier():
-        return snapshot.LocalTier(run, abstract, every=1, root=str(tmp_path / "local"),
+        return local_tier.LocalTier(run, abstract, every=1, root=str(tmp_path / "local"),
                                   binding={"config_hash": "c0", "mesh": "m"})  # fmt: skip
 
     t = tier()

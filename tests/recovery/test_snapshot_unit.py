@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import snapshot
-from jaxpar.faults import FaultSpec
-from jaxpar.metrics import RunDir
+from jaxpar.recovery import local_tier
+from jaxpar.rundir.writer import RunDir
+from jaxpar.worker.faults import FaultSpec
 
 
 def _mesh():
@@ -52,7 +52,7 @@ def _state(abstract, step: int):
 
 
 def _tier(run, abstract, root, **kw):
-    return snapshot.LocalTier(run, abstract, every=1, root=str(root),
+    return local_tier.LocalTier(run, abstract, every=1, root=str(root),
                               binding={"config_hash": "c0", "mesh": "data=4,tensor=2"}, **kw)  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def saved(tmp_path):
 def test_round_trip_is_bitwise_and_keeps_two_slots(saved):
     run, abstract, root, tier, states = saved
     steps = sorted(m["step"] for m in tier.own.committed().values())
-    assert steps == [2, 3] and len(os.listdir(tier.own.root)) == snapshot.SLOTS
+    assert steps == [2, 3] and len(os.listdir(tier.own.root)) == local_tier.SLOTS
     assert tier.stats.snapshots == 3 and tier.stats.max_held <= 2
     again = _tier(run, abstract, root)
     got, info = again.restore(None)
@@ -101,7 +101,7 @@ def test_newer_persistent_checkpoint_wins(saved):
 def test_corrupted_newest_falls_back_to_previous(saved):
     run, abstract, root, tier, states = saved
     k = tier.own.find(3)
-    path = os.path.join(tier.own.dirs[k], snapshot.DATA)
+    path = os.path.join(tier.own.dirs[k], local_tier.DATA)
     with open(path, "r+b") as f:  # one flipped byte, size unchanged
         f.seek(5)
         byte = f.read(1)
@@ -116,7 +116,7 @@ def test_corrupted_newest_falls_back_to_previous(saved):
 
 def test_torn_newest_is_reported_and_skipped(saved):
     run, abstract, root, tier, states = saved
-    os.remove(os.path.join(tier.own.dirs[tier.own.find(3)], snapshot.MARKER))
+    os.remove(os.path.join(tier.own.dirs[tier.own.find(3)], local_tier.MARKER))
     got, info = _tier(run, abstract, root).restore(None)
     assert info["step"] == 2
     _same(got, states[2])
@@ -129,7 +129,7 @@ def test_snapshot_of_another_layout_or_config_is_never_used(saved):
     assert _tier(run, other, root).restore(None) is None
     reasons = [e["reason"] for e in _events(run, "snapshot_rejected")]
     assert len(reasons) == 2 and all("layout" in r for r in reasons)
-    tier = snapshot.LocalTier(run, _abstract(_mesh()), every=1, root=str(root),
+    tier = local_tier.LocalTier(run, _abstract(_mesh()), every=1, root=str(root),
                               binding={"config_hash": "c1", "mesh": "data=4,tensor=2"})  # fmt: skip
     assert tier.restore(None) is None
     assert "config_hash" in _events(run, "snapshot_rejected")[-1]["reason"]
@@ -138,10 +138,10 @@ def test_snapshot_of_another_layout_or_config_is_never_used(saved):
 def test_marker_lying_about_sizes_is_rejected(saved):
     run, abstract, root, tier, _ = saved
     d = tier.own.dirs[tier.own.find(3)]
-    with open(os.path.join(d, snapshot.MARKER)) as f:
+    with open(os.path.join(d, local_tier.MARKER)) as f:
         marker = json.load(f)
     marker["blocks"][0]["nbytes"] += 4
-    with open(os.path.join(d, snapshot.MARKER), "w") as f:
+    with open(os.path.join(d, local_tier.MARKER), "w") as f:
         json.dump(marker, f)
     _, info = _tier(run, abstract, root).restore(None)
     assert info["step"] == 2
@@ -169,9 +169,9 @@ def test_the_loop_waits_rather_than_hold_a_third_snapshot(tmp_path):
 
 
 def test_every_follows_state_size():
-    assert snapshot.plan_every(-1, 10 * 2**20) == 1
-    assert snapshot.plan_every(-1, 3 * snapshot.AUTO_BYTES) == 3
-    assert snapshot.plan_every(0, 1) == 0 and snapshot.plan_every(5, 10**12) == 5
+    assert local_tier.plan_every(-1, 10 * 2**20) == 1
+    assert local_tier.plan_every(-1, 3 * local_tier.AUTO_BYTES) == 3
+    assert local_tier.plan_every(0, 1) == 0 and local_tier.plan_every(5, 10**12) == 5
 
 
 def test_losthost_spec_needs_a_node():

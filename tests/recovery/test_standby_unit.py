@@ -49,7 +49,7 @@ def test_multi_node_and_off():
 
 STANDBY_CHILD = """
 import os, sys
-from jaxpar import standby
+from jaxpar.worker import standby
 standby.wait_for_go()
 print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True)
 """
@@ -58,7 +58,7 @@ print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True
 # a worker with its own loop: its first RunDir is where it waits
 OWN_LOOP_CHILD = """
 import sys
-from jaxpar.metrics import RunDir
+from jaxpar.rundir.writer import RunDir
 RunDir(sys.argv[1]).event("start")
 print("wrote", flush=True)
 """
@@ -109,7 +109,7 @@ def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path)
     import jax
     import jax.numpy as jnp
 
-    from jaxpar import compile_cache
+    from jaxpar.worker import compile_cache
 
     folder = tmp_path / "compiled"
     lowered = jax.jit(lambda x: jnp.sin(x) * 3.0).lower(jnp.ones((4,), jnp.float32))

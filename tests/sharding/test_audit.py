@@ -1,4 +1,4 @@
-"""HLO collective audit (jaxpar.collectives): real programs on 8 CPU devices + hand-written HLO.
+"""HLO collective audit (jaxpar.engine.collectives): real programs on 8 CPU devices + hand-written HLO.
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/sharding/test_audit.py
 """
@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import Collective, audit, audit_hlo, format_audit, tally, total_bytes
+from jaxpar.engine.collectives import Collective, audit, audit_hlo, format_audit, tally, total_bytes
 
 AXES = ("data", "fsdp", "tensor", "pipeline")
 

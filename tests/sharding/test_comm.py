@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import collectives
 from jaxpar.config import CommConfig, OptimConfig
-from jaxpar.mesh import make_mesh
+from jaxpar.engine import collectives
+from jaxpar.engine.mesh import make_mesh
 from jaxpar.parallel.compressed import compressed_mean
 
 
@@ -146,11 +146,11 @@ def test_diloco_h4_cuts_cross_replica_collectives_4x(jp):
 
 
 def _run(cfg, layout, run_dir, steps):
-    from jaxpar import trainer
-    from jaxpar.metrics import last_per_step, read_jsonl
+    from jaxpar.rundir.runlog import last_per_step, read_jsonl
+    from jaxpar.worker import training
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    trainer.run(cfg, preset_of(layout), str(run_dir), progress=False)
+    training.run(cfg, preset_of(layout), str(run_dir), progress=False)
     lines = last_per_step(read_jsonl(str(run_dir / "metrics.jsonl")))
     return [lines[k]["loss"] for k in sorted(lines)]
 
@@ -167,7 +167,7 @@ def preset_of(layout):
 )
 def test_resume_with_comm_state_is_bitwise_exact(jp, tmp_path, comm):
     from jaxpar.config import CkptConfig
-    from jaxpar.metrics import read_jsonl
+    from jaxpar.rundir.runlog import read_jsonl
 
     cfg = jp.recipe("gpt_tiny", 6)
     cfg = dataclasses.replace(

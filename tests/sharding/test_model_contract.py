@@ -21,10 +21,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxpar import trainer
 from jaxpar.config import CkptConfig, DataConfig, LogConfig, TrainConfig, TrainLoopConfig
-from jaxpar.metrics import read_jsonl
-from jaxpar.model import STATE_KEY
+from jaxpar.engine.model import STATE_KEY
+from jaxpar.rundir.runlog import read_jsonl
+from jaxpar.worker import training
 
 HIDDEN = 32
 
@@ -106,7 +106,7 @@ def one_step(jp):
 
 
 def test_flax_default_eager_sharding_is_left_alone():
-    import jaxpar.step  # noqa: F401, PLC0415 - importing the engine must not flip Flax's flag
+    import jaxpar.parallel.program  # noqa: F401, PLC0415 - importing the engine must not flip Flax's flag
 
     assert flax.config.flax_always_shard_variable is True
 
@@ -167,10 +167,10 @@ FIXED_TX = optax.chain(
 @pytest.mark.slow
 def test_resume_is_exact_and_restores_the_batch_statistics(jp, tmp_path):
     preset = jp.preset("dp2_tp4")
-    trainer.run(recipe(steps=4, optimizer=FIXED_TX), preset, str(tmp_path / "full"))
+    training.run(recipe(steps=4, optimizer=FIXED_TX), preset, str(tmp_path / "full"))
     part = tmp_path / "part"
-    trainer.run(recipe(steps=2, optimizer=FIXED_TX), preset, str(part))  # saves at step 2
-    trainer.run(recipe(steps=4, optimizer=FIXED_TX), preset, str(part))  # resumes from step 2
+    training.run(recipe(steps=2, optimizer=FIXED_TX), preset, str(part))  # saves at step 2
+    training.run(recipe(steps=4, optimizer=FIXED_TX), preset, str(part))  # resumes from step 2
 
     def losses(run_dir):
         return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
@@ -179,8 +179,8 @@ def test_resume_is_exact_and_restores_the_batch_statistics(jp, tmp_path):
     assert losses(tmp_path / "full")[4] == losses(part)[4]  # bitwise, not close
     assert "acc" in read_jsonl(part / "metrics.jsonl")[-1]
     b = jp.build(recipe(steps=4, optimizer=FIXED_TX), "dp2_tp4")
-    from jaxpar.checkpoint import Checkpointer  # noqa: PLC0415
-    from jaxpar.metrics import RunDir  # noqa: PLC0415
+    from jaxpar.recovery.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxpar.rundir.writer import RunDir
 
     states = []
     for run_dir in (tmp_path / "full", part):

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import collectives
+from jaxpar.engine import collectives
 from jaxpar.parallel.plan import uses_manual_data
-from jaxpar.step import param_bytes
+from jaxpar.parallel.program import param_bytes
 
 pytestmark = pytest.mark.slow
 

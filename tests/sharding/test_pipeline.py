@@ -121,7 +121,7 @@ def test_stage_major_layout_round_trips():
 @pytest.mark.parametrize(
     "change, match",
     [
-        # Caught first by the `layers` rule's divisibility check (jaxpar.rules).
+        # Caught first by the `layers` rule's divisibility check (jaxpar.engine.rules).
         (dict(layers=3), r"logical 'layers', size 3.* not divisible by mesh axes \('pipeline',\)"),
         (dict(schedule="circular", v=3), r"not divisible by pipeline stages \(2\) x pipeline.rep"),
         (dict(m=3), "cannot be split into pipeline.microbatches=3"),
@@ -213,7 +213,7 @@ def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference):
 
 @pytest.mark.slow
 def test_jaxpar_inspect_shows_the_pipeline(jp, tmp_path):
-    from jaxpar.inspect_cmd import inspect
+    from jaxpar.tools.inspect import inspect
 
     text = inspect(tiny(8, "circular", 4, 2), jp.preset("dp4_pp2"), str(tmp_path), audit=True)
     assert "circular, p=2 stages, m=4 microbatches, v=2 repeats" in text
@@ -239,7 +239,7 @@ def _restores(run_dir) -> list[tuple]:
 @pytest.mark.slow
 def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
     """Checkpoints hold the layer-major layout: pipelined -> unpipelined -> pipelined resumes."""
-    from jaxpar.trainer import run
+    from jaxpar.worker.training import run
 
     def go(layout, steps, run_dir):
         cfg = tiny(4, "circular", 2, 2, steps=steps)

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import data as data_lib
-from jaxpar import step as step_lib
 from jaxpar.config import apply_overrides
+from jaxpar.data import sources as data_lib
+from jaxpar.parallel import program as step_lib
 from tests import helpers
 
 BF16 = ["precision.compute=bfloat16"]

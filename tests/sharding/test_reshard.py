@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.metrics import RunDir
+from jaxpar.recovery.checkpoint import Checkpointer
+from jaxpar.rundir.writer import RunDir
 from tests.helpers import SMALL, cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import math
 import jax
 import pytest
 
-from jaxpar import collectives
-from jaxpar.step import param_bytes
+from jaxpar.engine import collectives
+from jaxpar.parallel.program import param_bytes
 
 F32 = 4
 

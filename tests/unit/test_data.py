@@ -1,4 +1,4 @@
-"""jaxpar.data: batches are pure functions of (seed, step, split) and tile across processes."""
+"""jaxpar.data.sources: batches are pure functions of (seed, step, split) and tile across processes."""
 
 import sysconfig
 
@@ -7,24 +7,24 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import data
+from jaxpar.data import sources
 
 SEQ_LEN = 16
 
 
-@pytest.fixture(scope="module", params=data.SOURCES)
+@pytest.fixture(scope="module", params=sources.SOURCES)
 def source(request):
     path = request.getfixturevalue("tokens_corpus") if request.param == "tokens" else ""
-    return data.make_source(request.param, seq_len=SEQ_LEN, seed=0, path=path)
+    return sources.make_source(request.param, seq_len=SEQ_LEN, seed=0, path=path)
 
 
 @pytest.fixture(scope="module")
 def text():
-    return data.make_source("stdlib_text", seq_len=SEQ_LEN)
+    return sources.make_source("stdlib_text", seq_len=SEQ_LEN)
 
 
 def batch(source, step=0, seed=0, n=8, split="train"):
-    return data.global_batch(source, step=step, global_batch=n, seed=seed, split=split)
+    return sources.global_batch(source, step=step, global_batch=n, seed=seed, split=split)
 
 
 def assert_batches_equal(a, b):
@@ -42,7 +42,7 @@ def test_same_seed_and_step_give_identical_batch(source):
     first = batch(source, step=5, seed=3)
     # A restarted process builds a new source object and must get the same rows.
     path = getattr(source, "path", "")
-    fresh = data.make_source(source.name, seq_len=SEQ_LEN, seed=0, path=path)
+    fresh = sources.make_source(source.name, seq_len=SEQ_LEN, seed=0, path=path)
     assert_batches_equal(first, batch(fresh, step=5, seed=3))
 
 
@@ -58,7 +58,7 @@ def test_process_slices_tile_the_global_batch(source, process_count):
     step, n = 7, 8
     full = batch(source, step=step, seed=1, n=n)
     parts = [
-        data.host_batch(
+        sources.host_batch(
             source, step=step, global_batch=n, seed=1,
             process_index=i, process_count=process_count,
         )
@@ -89,18 +89,18 @@ def test_example_shapes_and_dtypes(source):
         assert b["label"].shape == (4,) and b["label"].dtype == np.int32
         assert 0.0 <= b["image"].min() and b["image"].max() <= 1.0
         assert 0 <= b["label"].min() and b["label"].max() < source.num_classes
-    spec = data.batch_spec(source, 4)
+    spec = sources.batch_spec(source, 4)
     assert {k: (v.shape, v.dtype) for k, v in spec.items()} == {
         k: (v.shape, v.dtype) for k, v in b.items()
     }
-    line = data.describe(source)
+    line = sources.describe(source)
     assert source.name in line and "\n" not in line
 
 
 def test_corpus_file_order_is_deterministic(text):
     root = sysconfig.get_paths()["stdlib"]
-    listed = data._stdlib_files(root)
-    assert listed == sorted(listed) == data._stdlib_files(root)
+    listed = sources._stdlib_files(root)
+    assert listed == sorted(listed) == sources._stdlib_files(root)
     assert not any("site-packages" in f for f in listed)
     assert text.files == tuple(listed[: len(text.files)])  # a prefix of whole files
     with open(f"{root}/{text.files[0]}", "rb") as f:
@@ -124,15 +124,15 @@ def test_eval_windows_are_disjoint_from_train_bytes(text):
 
 
 def test_digits_split_is_fixed_and_disjoint():
-    digits = data.make_source("digits")
+    digits = sources.make_source("digits")
     train, ev = digits.size("train"), digits.size("eval")
     assert train + ev == 1797 and ev == int(1797 * 0.2)
-    _, _, rows = data._digits_arrays()
+    _, _, rows = sources._digits_arrays()
     assert not set(rows["train"]) & set(rows["eval"])
 
 
 def test_digits_epochs_cover_the_split_and_reshuffle():
-    digits = data.make_source("digits")
+    digits = sources.make_source("digits")
     half = digits.size("train") // 2  # two steps of `half` rows = one epoch (1438 is even)
 
     def epoch(e):
@@ -149,11 +149,11 @@ def test_digits_epochs_cover_the_split_and_reshuffle():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: data.make_source("imagenet"), "stdlib_text"),
-        (lambda: data.make_source("stdlib_text", vocab_size=128), "vocab_size=256"),
-        (lambda: data.make_source("stdlib_text", seq_len=10**7), "seq_len <="),
-        (lambda: data.make_source("synthetic_text", seq_len=0), "seq_len"),
-        (lambda: data.make_source("synthetic_text", vocab_size=1), "vocab_size"),
+        (lambda: sources.make_source("imagenet"), "stdlib_text"),
+        (lambda: sources.make_source("stdlib_text", vocab_size=128), "vocab_size=256"),
+        (lambda: sources.make_source("stdlib_text", seq_len=10**7), "seq_len <="),
+        (lambda: sources.make_source("synthetic_text", seq_len=0), "seq_len"),
+        (lambda: sources.make_source("synthetic_text", vocab_size=1), "vocab_size"),
     ],
 )
 def test_bad_source_arguments_raise(call, match):
@@ -173,10 +173,10 @@ def test_bad_source_arguments_raise(call, match):
     ],
 )
 def test_bad_batch_arguments_raise(kwargs, match):
-    source = data.make_source("synthetic_text", seq_len=4)
+    source = sources.make_source("synthetic_text", seq_len=4)
     args = dict(step=0, global_batch=8, seed=0) | kwargs
     with pytest.raises(ValueError, match=match):
-        data.host_batch(source, **args)
+        sources.host_batch(source, **args)
 
 
 def test_to_device_assembles_the_global_batch():
@@ -184,15 +184,15 @@ def test_to_device_assembles_the_global_batch():
     mesh = Mesh(np.array(devices), ("d",))
     sharding = NamedSharding(mesh, PartitionSpec("d"))
     n = 2 * len(devices)
-    source = data.make_source("synthetic_image")
-    local = data.host_batch(
+    source = sources.make_source("synthetic_image")
+    local = sources.host_batch(
         source, step=2, global_batch=n, seed=0,
         process_index=jax.process_index(), process_count=jax.process_count(),
     )  # fmt: skip
-    arrays = data.to_device(local, {k: sharding for k in local}, global_batch=n)
+    arrays = sources.to_device(local, {k: sharding for k in local}, global_batch=n)
     expected = batch(source, step=2, n=n)
     for key, value in arrays.items():
         assert value.shape == expected[key].shape and value.sharding == sharding
         np.testing.assert_array_equal(np.asarray(value), expected[key])
     with pytest.raises(ValueError, match="shardings keys"):
-        data.to_device(local, {"image": sharding}, global_batch=n)
+        sources.to_device(local, {"image": sharding}, global_batch=n)

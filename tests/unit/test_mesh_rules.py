@@ -10,11 +10,11 @@ import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec
 
-from jaxpar import meshes, trainer
+from jaxpar import meshes
 from jaxpar.config import apply_overrides, resolve_recipe
-from jaxpar.data import batch_spec
-from jaxpar.mesh import AXES, MeshSpec, batch_parallel_size, make_mesh
-from jaxpar.rules import (
+from jaxpar.data.sources import batch_spec
+from jaxpar.engine.mesh import AXES, MeshSpec, batch_parallel_size, make_mesh
+from jaxpar.engine.rules import (
     ACT_RULES,
     PARAM_RULES,
     check_spec,
@@ -22,7 +22,8 @@ from jaxpar.rules import (
     named_sharding,
     validate_rules,
 )
-from jaxpar.step import build_program, check_batch
+from jaxpar.parallel.program import build_program, check_batch
+from jaxpar.worker import training
 
 P = PartitionSpec
 
@@ -196,7 +197,7 @@ def _gpt(**model):
 
 def _program(cfg, layout):
     p = meshes.resolve(layout)
-    spec = batch_spec(trainer.make_source(cfg), cfg.data.global_batch)
+    spec = batch_spec(training.make_source(cfg), cfg.data.global_batch)
     return build_program(cfg, make_mesh(p.mesh), p.params, p.acts, spec, "lm")
 
 

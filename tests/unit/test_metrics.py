@@ -11,18 +11,9 @@ import os
 
 import pytest
 
-from jaxpar import metrics
-from jaxpar.metrics import (
-    Progress,
-    RunDir,
-    TensorBoardWriter,
-    append_line,
-    last_per_step,
-    read_jsonl,
-    read_tensorboard,
-    summarize,
-    write_json,
-)
+from jaxpar.rundir import writer
+from jaxpar.rundir.runlog import append_line, last_per_step, read_jsonl, write_json
+from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter, read_tensorboard, summarize
 
 
 def _line(step, loss, inc=0, t=None, dt=0.5):
@@ -105,13 +96,13 @@ def test_summarize_counts_lost_steps(tmp_path):
      ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("cpu", None)],
 )  # fmt: skip
 def test_peak_flops_table(kind, peak):
-    assert metrics.peak_flops(kind) == peak
+    assert writer.peak_flops(kind) == peak
 
 
 def test_mfu():
-    assert metrics.mfu(1e12, 0.5, devices=4, peak=1e12) == pytest.approx(0.5)
-    assert metrics.mfu(1e12, 0.5, devices=4, peak=None) is None
-    assert metrics.mfu(None, 0.5, devices=4, peak=1e12) is None
+    assert writer.mfu(1e12, 0.5, devices=4, peak=1e12) == pytest.approx(0.5)
+    assert writer.mfu(1e12, 0.5, devices=4, peak=None) is None
+    assert writer.mfu(None, 0.5, devices=4, peak=1e12) is None
 
 
 def test_progress_plain_lines_when_not_a_terminal():
@@ -176,7 +167,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_event_names_are_unique_and_documented():
-    from jaxpar.runlog import SupervisorEvent, WorkerEvent
+    from jaxpar.rundir.runlog import SupervisorEvent, WorkerEvent
 
     assert not WorkerEvent.ALL & SupervisorEvent.ALL  # one writer per event name
     for cls in (WorkerEvent, SupervisorEvent):  # ALL holds every constant of the class

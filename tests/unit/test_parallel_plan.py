@@ -1,4 +1,4 @@
-"""The strategy plan (jaxpar.parallel.plan), the mesh-axis facts (jaxpar.mesh) and the engine's
+"""The strategy plan (jaxpar.parallel.plan), the mesh-axis facts (jaxpar.engine.mesh) and the engine's
 import structure: no import cycles in jaxpar/, no private names imported across modules."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import types
 import pytest
 
 from jaxpar.config import CommConfig, TrainConfig, TrainLoopConfig
-from jaxpar.mesh import (
+from jaxpar.engine.mesh import (
     AXES,
     AXIS_INFO,
     BATCH_AXES,
@@ -90,7 +90,7 @@ def test_mesh_module_imports_without_jax():
     """The supervisor reads mesh specs and axis facts without starting jax."""
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('m', {str(ROOT / 'jaxpar/mesh.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('m', {str(ROOT / 'jaxpar/engine/mesh.py')!r})\n"
         "m = importlib.util.module_from_spec(spec); sys.modules['m'] = m\n"
         "spec.loader.exec_module(m)\n"
         "assert str(m.MeshSpec.parse('data=2,tensor=4')) == 'data=2,fsdp=1,tensor=4,pipeline=1'\n"
@@ -128,10 +128,13 @@ def _engine_modules() -> dict[str, pathlib.Path]:
 
 # The engine (mesh, rules, precision, model, task, step, parallel strategies) has no cycle even
 # through function-level imports; the whole package has none at module level.
-ENGINE = ("jaxpar.mesh", "jaxpar.rules", "jaxpar.precision", "jaxpar.model", "jaxpar.task",
-          "jaxpar.step", "jaxpar.collectives", "jaxpar.parallel")  # fmt: skip
+ENGINE = ("jaxpar.engine.mesh", "jaxpar.engine.rules", "jaxpar.engine.precision", "jaxpar.engine.model", "jaxpar.engine.losses",
+          "jaxpar.parallel.program", "jaxpar.engine.collectives", "jaxpar.parallel")  # fmt: skip
 # The data bench reuses the bench writer and the CLI's layout parser by their private names.
-KNOWN_PRIVATE = {"jaxpar.bench_data: jaxpar.bench._write", "jaxpar.bench_data: jaxpar.cli._layout"}
+KNOWN_PRIVATE = {
+    "jaxpar.bench.data: jaxpar.bench.harness._write",
+    "jaxpar.bench.data: jaxpar.cli._layout",
+}
 
 
 def test_no_import_cycles_and_no_private_imports_in_jaxpar():

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import PrecisionConfig, apply_overrides, config_hash, resolve_recipe
+from jaxpar.engine.precision import FP32, policy
 from jaxpar.models.gpt import GPTConfig, LayerNorm
-from jaxpar.precision import FP32, policy
 
 
 @pytest.fixture

@@ -93,8 +93,8 @@ def test_user_hooks_are_recorded_and_hashed():
 def test_progress_line_shows_the_loss_metrics():
     import io
 
-    from jaxpar.metrics import Progress
-    from jaxpar.trainer import loss_metrics
+    from jaxpar.rundir.writer import Progress
+    from jaxpar.worker.training import loss_metrics
 
     line = {"step": 3, "loss": 0.5, "lr": 0.1, "grad_norm": 2.0, "accuracy": 0.75,
             "samples_per_s": 10.0, "mfu": None, "time": 1.0}  # fmt: skip
@@ -117,7 +117,7 @@ def test_a_shorter_partition_spec_leaves_the_last_dimensions_unnamed(devices8):
     from jax.sharding import PartitionSpec as P
 
     from jaxpar import build_mesh
-    from jaxpar.rules import PARAM_RULES, named_sharding
+    from jaxpar.engine.rules import PARAM_RULES, named_sharding
 
     mesh = build_mesh("data=2,tensor=4", devices8)
     sh = named_sharding("w", (16, 8, 4), P(None, "mlp"), PARAM_RULES, mesh)

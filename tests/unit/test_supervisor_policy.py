@@ -10,14 +10,15 @@ import sys
 
 import pytest
 
-from jaxpar import goodput, launch
 from jaxpar import supervisor as sv
+from jaxpar.rundir import goodput
+from jaxpar.worker import bootstrap
 
 
 def test_exit_causes_and_root():
     assert sv.classify_exit(-9) == "signal"
-    assert sv.classify_exit(launch.EXIT_COLLECTIVE) == "collective"
-    assert sv.classify_exit(launch.EXIT_NAN) == "nan"
+    assert sv.classify_exit(bootstrap.EXIT_COLLECTIVE) == "collective"
+    assert sv.classify_exit(bootstrap.EXIT_NAN) == "nan"
     assert sv.classify_exit(1) == "exit"
     # the killed process is the root, not the survivors that saw the collective error
     assert sv.root_exit([(2, 43), (0, -9), (3, 43)]) == (0, -9)
@@ -71,32 +72,32 @@ def test_shrink_respects_min_nproc_and_other_axes():
 
 def test_shrunk_layout_reaches_workers_through_the_environment():
     env = sv.worker_env(
-        {launch.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
+        {bootstrap.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
         process_id=0, local_rank=0, devices_per_proc=2, run_dir="/r", incarnation=2, faults=[],
         heartbeat_timeout=9, collective_timeout=9,
         layout={"mesh": "data=4,fsdp=1,tensor=1,pipeline=1", "microbatches": 2},
     )  # fmt: skip
-    assert env[launch.ENV_MESH] == "data=4,fsdp=1,tensor=1,pipeline=1"
-    assert env[launch.ENV_MICROBATCHES] == "2"
+    assert env[bootstrap.ENV_MESH] == "data=4,fsdp=1,tensor=1,pipeline=1"
+    assert env[bootstrap.ENV_MICROBATCHES] == "2"
     plain = sv.worker_env(
-        {launch.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
+        {bootstrap.ENV_MESH: "data=8"}, coordinator="127.0.0.1:1", bind="127.0.0.1:1", nproc=2,
         process_id=0, local_rank=0, devices_per_proc=2, run_dir="/r", incarnation=0, faults=[],
         heartbeat_timeout=9, collective_timeout=9,
     )  # fmt: skip
-    assert launch.ENV_MESH not in plain  # an inherited layout is never passed on
+    assert bootstrap.ENV_MESH not in plain  # an inherited layout is never passed on
 
 
 def test_training_loop_applies_the_supervised_layout(monkeypatch):
     from jaxpar.config import resolve_recipe
-    from jaxpar.mesh import MeshSpec
-    from jaxpar.rules import Preset
-    from jaxpar.trainer import supervised_layout
+    from jaxpar.engine.mesh import MeshSpec
+    from jaxpar.engine.rules import Preset
+    from jaxpar.worker.training import supervised_layout
 
     cfg = resolve_recipe("gpt_tiny")
     preset = Preset(MeshSpec.parse("data=8"), description="dp8")
     assert supervised_layout(cfg, preset) == (cfg, preset)
-    monkeypatch.setenv(launch.ENV_MESH, "data=2,fsdp=2")
-    monkeypatch.setenv(launch.ENV_MICROBATCHES, "3")
+    monkeypatch.setenv(bootstrap.ENV_MESH, "data=2,fsdp=2")
+    monkeypatch.setenv(bootstrap.ENV_MICROBATCHES, "3")
     cfg2, preset2 = supervised_layout(cfg, preset)
     assert preset2.mesh == MeshSpec(data=2, fsdp=2) and preset2.params == preset.params
     assert cfg2.train.microbatches == 3 and cfg2.model == cfg.model
@@ -118,25 +119,25 @@ def test_stragglers_by_arrival_lag():
 
 
 def test_heartbeat_file_and_stalest(tmp_path, monkeypatch):
-    monkeypatch.setenv(launch.ENV_PROCESS_ID, "1")
-    monkeypatch.setenv(launch.ENV_INCARNATION, "3")
-    launch._state["hb_dir"] = None
-    launch.heartbeat(str(tmp_path), 4)
-    launch.heartbeat(str(tmp_path), 5)
+    monkeypatch.setenv(bootstrap.ENV_PROCESS_ID, "1")
+    monkeypatch.setenv(bootstrap.ENV_INCARNATION, "3")
+    bootstrap._state["hb_dir"] = None
+    bootstrap.heartbeat(str(tmp_path), 4)
+    bootstrap.heartbeat(str(tmp_path), 5)
     rec = json.loads((tmp_path / "heartbeats" / "proc1.json").read_text())
     assert rec["step"] == 5 and rec["incarnation"] == 3 and rec["pid"] == os.getpid()
     assert [s for s, _ in rec["recent"]] == [4, 5]
     assert os.listdir(tmp_path / "heartbeats") == ["proc1.json"]
 
     hb = sv.Heartbeats(str(tmp_path), 2, 3)
-    monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
-    launch._state["hb_dir"] = None
-    launch.heartbeat(str(tmp_path), 6)
+    monkeypatch.setenv(bootstrap.ENV_PROCESS_ID, "0")
+    bootstrap._state["hb_dir"] = None
+    bootstrap.heartbeat(str(tmp_path), 6)
     hb.update(now=10.0)
     # process 1 arrived at step 5 after step 4 (two arrivals in its own history): it has
     # completed a step, although the supervisor saw none advance
     assert hb.stepping_since == 10.0
-    launch.heartbeat(str(tmp_path), 7)
+    bootstrap.heartbeat(str(tmp_path), 7)
     hb.update(now=12.0)
     assert hb.stalest(now=20.0) == (1, 10.0)  # process 1 stuck at 5 since it was first seen
     assert hb.max_step() == 7
@@ -148,19 +149,19 @@ def test_heartbeat_file_and_stalest(tmp_path, monkeypatch):
 def test_hang_in_the_first_steps_is_detected(tmp_path, monkeypatch):
     """Workers several steps ahead of the supervisor's first read, then stuck: a hang once the
     hang timeout passes, blaming the process at the lowest step."""
-    monkeypatch.setenv(launch.ENV_INCARNATION, "0")
+    monkeypatch.setenv(bootstrap.ENV_INCARNATION, "0")
     for p, last in ((0, 3), (1, 2)):
-        monkeypatch.setenv(launch.ENV_PROCESS_ID, str(p))
-        launch._state["hb_dir"] = None
+        monkeypatch.setenv(bootstrap.ENV_PROCESS_ID, str(p))
+        bootstrap._state["hb_dir"] = None
         for step in range(last + 1):
-            launch.heartbeat(str(tmp_path), step)
+            bootstrap.heartbeat(str(tmp_path), step)
     mon = sv.Monitor(str(tmp_path), 2, 0, [])
     assert os.listdir(tmp_path / "heartbeats") == []  # the monitor clears old heartbeats
     for p, last in ((0, 3), (1, 2)):
-        monkeypatch.setenv(launch.ENV_PROCESS_ID, str(p))
-        launch._state["hb_dir"] = None
+        monkeypatch.setenv(bootstrap.ENV_PROCESS_ID, str(p))
+        bootstrap._state["hb_dir"] = None
         for step in range(last + 1):
-            launch.heartbeat(str(tmp_path), step)
+            bootstrap.heartbeat(str(tmp_path), step)
     mon.hb.update(now=100.0)
     assert mon.hang(101.0, 99.0, 1.5, 600.0, auto=False, stopped=[]) is None
     out = mon.hang(102.0, 99.0, 1.5, 600.0, auto=False, stopped=[])
@@ -176,59 +177,59 @@ def test_hang_in_the_first_steps_is_detected(tmp_path, monkeypatch):
 
 def test_worker_env():
     env = sv.worker_env(
-        {"XLA_FLAGS": "--xla_dump_to=/tmp/d", launch.ENV_FAULTS: "kill@3"},
+        {"XLA_FLAGS": "--xla_dump_to=/tmp/d", bootstrap.ENV_FAULTS: "kill@3"},
         coordinator="127.0.0.1:1234", bind="127.0.0.1:1234", nproc=4, process_id=2,
         local_rank=2, devices_per_proc=2, run_dir="/r", incarnation=1, faults=["hang@5"],
         heartbeat_timeout=90, collective_timeout=90,
     )  # fmt: skip
-    assert env[launch.ENV_COORDINATOR] == "127.0.0.1:1234"
-    assert env[launch.ENV_PROCESS_ID] == "2" and env[launch.ENV_NUM_PROCESSES] == "4"
-    assert env[launch.ENV_INCARNATION] == "1" and env[launch.ENV_SUPERVISED] == "1"
-    assert env[launch.ENV_FAULTS] == "kill@3;hang@5"
+    assert env[bootstrap.ENV_COORDINATOR] == "127.0.0.1:1234"
+    assert env[bootstrap.ENV_PROCESS_ID] == "2" and env[bootstrap.ENV_NUM_PROCESSES] == "4"
+    assert env[bootstrap.ENV_INCARNATION] == "1" and env[bootstrap.ENV_SUPERVISED] == "1"
+    assert env[bootstrap.ENV_FAULTS] == "kill@3;hang@5"
     assert env["XLA_FLAGS"].startswith("--xla_dump_to=/tmp/d ")
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
     # XLA silently ignores every flag after a token that is not `--name[=value]`, so one stray
     # word would disable the collective timeout the worker appends later.
     assert all(f.startswith("--xla_") for f in env["XLA_FLAGS"].split()), env["XLA_FLAGS"]
     assert env["JAX_LOCAL_DEVICE_IDS"] == "4,5"
-    assert env[launch.ENV_COLLECTIVE_TIMEOUT] == "90"
+    assert env[bootstrap.ENV_COLLECTIVE_TIMEOUT] == "90"
 
 
 def test_detect_cluster():
-    assert launch.detect_cluster({}) is None
-    assert launch.detect_cluster({"JAXPAR_COORDINATOR": "h:1", "JAXPAR_PROCESS_ID": "0"}) == (
+    assert bootstrap.detect_cluster({}) is None
+    assert bootstrap.detect_cluster({"JAXPAR_COORDINATOR": "h:1", "JAXPAR_PROCESS_ID": "0"}) == (
         "explicit"
     )
     k8s = {"JAXPAR_COORDINATOR": "h:1", "JAXPAR_NUM_PROCESSES": "2", "JOB_COMPLETION_INDEX": "1"}
-    assert launch.detect_cluster(k8s) == "k8s"
+    assert bootstrap.detect_cluster(k8s) == "k8s"
     slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
-    assert launch.detect_cluster(slurm) == "slurm"
-    assert launch.detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None  # one task: no cluster
+    assert bootstrap.detect_cluster(slurm) == "slurm"
+    assert bootstrap.detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None  # one task: no cluster
     ompi = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://127.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2"}
-    assert launch.detect_cluster(ompi) == "ompi"
+    assert bootstrap.detect_cluster(ompi) == "ompi"
 
 
 def test_guard_reraises_outside_a_distributed_job():
     with pytest.raises(RuntimeError):
-        with launch.guard():
+        with bootstrap.guard():
             raise RuntimeError("boom")
-    assert launch.run_worker(lambda: None) == 0
+    assert bootstrap.run_worker(lambda: None) == 0
 
 
 def test_collective_errors_recognised_whatever_their_python_type():
     import jax
 
-    assert launch.is_collective_error(jax.errors.JaxRuntimeError("INTERNAL: anything"))
+    assert bootstrap.is_collective_error(jax.errors.JaxRuntimeError("INTERNAL: anything"))
     # one device per process: jax raises gloo's failure as a ValueError
     gloo = (
         "UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:547] Connection closed by peer"
     )
-    assert launch.is_collective_error(ValueError(gloo))
-    assert launch.is_collective_error(RuntimeError("UNAVAILABLE: coordination service is gone"))
+    assert bootstrap.is_collective_error(ValueError(gloo))
+    assert bootstrap.is_collective_error(RuntimeError("UNAVAILABLE: coordination service is gone"))
     # the user's own errors stay errors (exit 1, the root cause)
-    assert not launch.is_collective_error(ValueError("batch 6 is not divisible by data=4"))
-    assert not launch.is_collective_error(RuntimeError("INTERNAL: loss function failed"))
-    assert not launch.is_collective_error(KeyError("Gloo"))
+    assert not bootstrap.is_collective_error(ValueError("batch 6 is not divisible by data=4"))
+    assert not bootstrap.is_collective_error(RuntimeError("INTERNAL: loss function failed"))
+    assert not bootstrap.is_collective_error(KeyError("Gloo"))
 
 
 def test_event_tail_skips_torn_line(tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.metrics import read_jsonl
+from jaxpar.rundir.runlog import read_jsonl
 from tests.helpers import cpu_env, losses
 from tests.multiprocess.launch_util import clean_env, kill_workers
 

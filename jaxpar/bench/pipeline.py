@@ -1,0 +1,185 @@
+"""`jaxpar bench pipeline`: step time and bubble of the GPipe and circular schedules, measured in
+one run, against the predicted (p − 1)/(m + p − 1).
+
+    jaxpar bench pipeline [--quick] [--recipe gpt_tiny] [--out bench-results]
+
+The recipe (a model with n_layers; default gpt_tiny) with 8 layers on p ∈ {2, 4} stages (a pure pipeline on p devices), m ∈ {1, 2, 4, 8}
+microbatches of a fixed size (2 rows), GPipe and circular with v = 2. Prints a markdown table
+and writes pipeline.json and pipeline.png into --out. --quick: p = 2, m ∈ {1, 2, 4}.
+
+How the bubble is measured. In the SPMD program every stage runs every tick (in the bubble, on
+data whose result is discarded), so a step costs c + τ·ticks: τ one tick of all stages, c the
+rest (embedding, head, optimizer, weight reordering). With the microbatch size fixed, τ and c do
+not depend on m, and a least-squares fit (c ≥ 0) of the fastest measured step times over m gives
+both, per (p, schedule). The measured bubble is the share of the tick loop's measured time that
+is not useful work, (T − c − m·v·τ)/(T − c), shown beside the prediction 1 − m·v/ticks; the
+fit's residuals say how closely the step time follows the tick count. The configs of a group are
+timed round-robin, so load from other processes spreads over them. Simulated CPU devices share
+the host's cores, so absolute times show no pipeline speed-up; the bubble is what carries over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.bench.harness import Bench, table
+from jaxpar.config import PipelineConfig, TrainConfig
+from jaxpar.engine.mesh import MeshSpec
+from jaxpar.engine.rules import Preset
+from jaxpar.parallel.pipeline import Schedule
+from jaxpar.worker.training import compile_step, device_batch, setup
+
+LAYERS = 8
+ROWS_PER_MICROBATCH = 2
+SCHEDULES = (("gpipe", 1), ("circular", 2))
+
+
+def _config(base: TrainConfig, schedule: str, m: int, v: int) -> TrainConfig:
+    if not hasattr(base.model, "n_layers"):
+        raise ValueError("bench pipeline needs a model config with n_layers (e.g. gpt_tiny)")
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, n_layers=LAYERS),
+        data=dataclasses.replace(base.data, global_batch=m * ROWS_PER_MICROBATCH),
+        pipeline=PipelineConfig(schedule, m, v),
+    )
+
+
+def _time_group(cfgs: list[TrainConfig], p: int, rounds: int) -> list[list[float]]:
+    """Seconds per train step of each config on a pure p-stage pipeline, timed round-robin
+    (one step of each per round, after a warm-up round) so that load from other processes
+    spreads over the configs rather than landing on one of them."""
+    preset = Preset(MeshSpec.parse(f"data=1,pipeline={p}"))
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, cfg in enumerate(cfgs):
+            s = setup(cfg, preset, os.path.join(tmp, str(i)), devices=jax.devices()[:p])
+            compiled, _ = compile_step(s)
+            one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
+            runs.append([compiled, s.program.init(), device_batch(s, 0), one])
+    times = [[] for _ in cfgs]
+    for r in range(rounds + 1):
+        for i, run in enumerate(runs):
+            compiled, state, batch, one = run
+            t0 = time.perf_counter()
+            run[1], metrics = compiled(state, batch, one)
+            jax.block_until_ready(metrics["loss"])
+            if r:
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def _fit(rows: list[dict]) -> tuple[float, float, float]:
+    """Least squares T = c + τ·ticks over the rows' fastest steps: (τ, c, largest relative
+    residual). Where noise drives c below zero, c = 0 and τ is refitted."""
+    ticks = np.array([r["ticks"] for r in rows], float)
+    t = np.array([r["step_s_min"] for r in rows])
+    tau, c = np.polyfit(ticks, t, 1) if len(rows) > 1 else (t[0] / ticks[0], 0.0)
+    if c < 0:
+        tau, c = float(ticks @ t / (ticks @ ticks)), 0.0
+    return float(tau), float(c), float(np.max(np.abs(c + tau * ticks - t) / t))
+
+
+def analyse(rows: list[dict]) -> list[dict]:
+    """Fit each (p, schedule) and add `bubble_measured` to its rows; returns the fits."""
+    fits = []
+    for key in sorted({(r["p"], r["schedule"], r["v"]) for r in rows}):
+        group = [r for r in rows if (r["p"], r["schedule"], r["v"]) == key]
+        tau, c, resid = _fit(group)
+        p, schedule, v = key
+        fits.append({"p": p, "schedule": schedule, "v": v, "tick_s": tau, "fixed_s": c,
+                     "max_rel_residual": resid})  # fmt: skip
+        for r in group:
+            loop = r["step_s_min"] - c
+            r["bubble_measured"] = (loop - r["m"] * v * tau) / loop
+    return fits
+
+
+def run(b: Bench) -> dict:
+    """Measure every (p, m, schedule) in one run; write pipeline.json, pipeline.png; print a table."""
+    base = b.cfg
+    stages = (2,) if b.quick else (2, 4)
+    micro = (1, 2, 4) if b.quick else (1, 2, 4, 8)
+    rounds = 4 if b.quick else 10  # the fastest step is fitted: least disturbed by other load
+    rows = []
+    for p in stages:
+        for schedule, v in SCHEDULES:
+            cfgs = [_config(base, schedule, m, v) for m in micro]
+            for m, times in zip(micro, _time_group(cfgs, p, rounds), strict=True):
+                sched = Schedule(schedule, p, m, v)
+                rows.append({
+                    "p": p, "m": m, "schedule": schedule, "v": v, "ticks": sched.ticks,
+                    "step_s_median": statistics.median(times), "step_s_min": min(times),
+                    "bubble_predicted": sched.bubble, "bubble_gpipe_formula": (p - 1) / (m + p - 1),
+                })  # fmt: skip
+    fits = analyse(rows)
+    result = {
+        "suite": "pipeline",
+        "recipe": base.name,
+        "model": f"{base.name} with {LAYERS} layers",
+        "rows_per_microbatch": ROWS_PER_MICROBATCH,
+        "devices": f"{jax.devices()[0].platform} x {max(stages)}",
+        "host_cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],  # timings on a busy host are noisy
+        "rows": rows,
+        "fits": fits,
+    }
+    _plot(rows, b.path("pipeline.png"))
+    host = f"host: {os.cpu_count()} CPUs, load average {result['load_average_1m']:.1f}"
+    return b.write("pipeline", result, f"{_table(rows, fits)}\n{host}")
+
+
+def _table(rows: list[dict], fits: list[dict]) -> str:
+    header = ["p", "m", "schedule", "ticks", "step ms (median)", "bubble measured", "predicted",
+              "(p-1)/(m+p-1)"]  # fmt: skip
+    cells = [
+        [r["p"], r["m"], r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else ""), r["ticks"],
+         f"{1e3 * r['step_s_median']:.1f}", f"{r['bubble_measured']:.1%}",
+         f"{r['bubble_predicted']:.1%}", f"{r['bubble_gpipe_formula']:.1%}"]
+        for r in rows
+    ]  # fmt: skip
+    lines = [table(header, cells, "---:|---:|---|---:|---:|---:|---:|---:"), ""]
+    for f in fits:
+        lines.append(
+            f"fit p={f['p']} {f['schedule']}: {1e3 * f['tick_s']:.2f} ms/tick + "
+            f"{1e3 * f['fixed_s']:.1f} ms fixed; largest residual {f['max_rel_residual']:.1%}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = sorted({r["p"] for r in rows})
+    fig, axes = plt.subplots(1, len(stages), figsize=(5 * len(stages), 4), squeeze=False)
+    for ax, p in zip(axes[0], stages, strict=True):
+        for (schedule, v), color in zip(SCHEDULES, ("tab:blue", "tab:orange"), strict=True):
+            sel = [r for r in rows if r["p"] == p and r["schedule"] == schedule]
+            ms = [r["m"] for r in sel]
+            label = schedule + (f" v={v}" if v > 1 else "")
+            ax.plot(ms, [r["bubble_predicted"] for r in sel], "--", color=color,
+                    label=f"{label} predicted")  # fmt: skip
+            ax.plot(ms, [r["bubble_measured"] for r in sel], "o", color=color,
+                    label=f"{label} measured")  # fmt: skip
+        low = min(0.0, *(r["bubble_measured"] for r in rows)) - 0.05
+        ax.set(title=f"p = {p} stages", xlabel="microbatches m", ylabel="bubble fraction",
+               xscale="log", ylim=(low, 1))  # fmt: skip
+        ax.minorticks_off()
+        ax.set_xticks(sorted({r["m"] for r in rows}), labels=sorted({r["m"] for r in rows}))
+        ax.axhline(0.0, color="grey", linewidth=0.5)
+        ax.legend(fontsize=8)
+    fig.suptitle("pipeline bubble: measured vs predicted (GPipe (p-1)/(m+p-1))")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,274 @@
+"""`jaxpar data prepare`: text files -> a byte-level BPE tokenizer -> token shards + meta.json.
+
+    jaxpar data prepare INPUT... --out DIR [--vocab-size N] [--val-fraction F]
+                        [--tokenizer tokenizer.json] [--shard-tokens N]
+
+INPUT is a text file or a folder (read recursively, sorted; hidden entries, `__pycache__` and
+files that are not UTF-8 text are skipped). The files are taken end to end, each followed by the
+end-of-text token; the last `--val-fraction` of the input bytes becomes the `val` split (cut
+inside a file where the boundary falls). The tokenizer is Hugging Face `tokenizers`' byte-level
+BPE, trained on the train part only (or loaded with `--tokenizer`). DIR receives the shards
+(jaxpar/data/tokens.py reads them), `tokenizer.json` and `meta.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.data.tokens import FORMAT, META, VERSION
+
+EOT = "<|endoftext|>"
+DEFAULT_VOCAB = 4096
+_MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
+_DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
+_SKIP_DIRS = ("__pycache__",)
+_ENCODE_CHUNK = 256  # documents per encode_batch call (tokenizers runs them in parallel)
+
+
+@dataclass(frozen=True)
+class Doc:
+    path: str  # as found (the input name joined with the path below it)
+    text: str
+    nbytes: int
+    sha256: str
+
+
+def input_files(inputs: list[str]) -> list[str]:
+    """The files named by `inputs` (folders walked recursively, sorted); ValueError if none."""
+    if not inputs:
+        raise ValueError("no INPUT given: jaxpar data prepare FILE_OR_FOLDER... --out DIR")
+    files = []
+    for item in inputs:
+        if os.path.isfile(item):
+            files.append(item)
+        elif os.path.isdir(item):
+            found = []
+            for directory, subdirs, names in os.walk(item):
+                subdirs[:] = sorted(
+                    d for d in subdirs if not d.startswith(".") and d not in _SKIP_DIRS
+                )
+                found += [os.path.join(directory, n) for n in names if not n.startswith(".")]
+            if not found:
+                raise ValueError(f"input folder {item} holds no files; give a folder of text files")
+            files += sorted(found)
+        else:
+            raise ValueError(f"input {item}: no such file or folder")
+    return files
+
+
+def read_docs(files: list[str]) -> tuple[list[Doc], list[str]]:
+    """(UTF-8 text documents, skipped paths). ValueError when nothing readable remains."""
+    docs, skipped = [], []
+    for path in files:
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(path)
+            continue
+        if text:
+            docs.append(Doc(path, text, len(raw), hashlib.sha256(raw).hexdigest()))
+    if not docs:
+        raise ValueError(
+            f"none of the {len(files)} input files is non-empty UTF-8 text "
+            f"(e.g. {files[0] if files else '-'}); give text files"
+        )
+    return docs, skipped
+
+
+def split_docs(docs: list[Doc], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(train texts, val texts): the last `val_fraction` of the bytes, cut inside a document."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--val-fraction {val_fraction} must be in (0, 1), e.g. 0.05")
+    total = sum(d.nbytes for d in docs)
+    cut = total - max(1, int(total * val_fraction))  # byte offset where val starts
+    train, val, pos = [], [], 0
+    for d in docs:
+        if pos + d.nbytes <= cut:
+            train.append(d.text)
+        elif pos >= cut:
+            val.append(d.text)
+        else:  # the boundary falls inside this document: cut at the same fraction of characters
+            at = int(len(d.text) * (cut - pos) / d.nbytes)
+            train.append(d.text[:at])
+            val.append(d.text[at:])
+        pos += d.nbytes
+    return [t for t in train if t], [t for t in val if t]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, progress: bool):
+    """A byte-level BPE tokenizer with `vocab_size` entries (EOT included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < _MIN_VOCAB:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is below {_MIN_VOCAB} (256 bytes + end-of-text); "
+            f"use >= {_MIN_VOCAB}, e.g. 512"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer, length=len(texts))
+    return tok
+
+
+def load_tokenizer(path: str):
+    """A tokenizer.json (Hugging Face tokenizers); ValueError when unreadable."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions for bad files
+        raise ValueError(f"--tokenizer {path}: not a readable tokenizer.json ({e})") from None
+
+
+class _Bar:
+    """Bytes encoded so far, on stderr: a live line on a terminal, a few plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.done, self.t0 = total, 0, time.time()
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.last = 0.0
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.time()
+        final = self.done >= self.total
+        if not self.enabled or (not final and now - self.last < (0.2 if self.tty else 5.0)):
+            return
+        self.last = now
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
+        rate = self.done / 1e6 / max(now - self.t0, 1e-9)
+        text = f"[{bar}] encoded {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {rate:.1f} MB/s"
+        self.stream.write(("\r" + text + ("\n" if final else "")) if self.tty else text + "\n")
+        self.stream.flush()
+
+
+class _ShardWriter:
+    """Appends token ids to `PREFIX-NNNNN.bin` files of at most `shard_tokens` tokens each."""
+
+    def __init__(self, out: str, prefix: str, dtype: np.dtype, shard_tokens: int):
+        self.out, self.prefix, self.dtype, self.cap = out, prefix, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._f = None
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype.newbyteorder("<"), copy=False)
+        while len(ids):
+            if self._f is None or self.shards[-1]["tokens"] >= self.cap:
+                self._open()
+            room = self.cap - self.shards[-1]["tokens"]
+            self._f.write(ids[:room].tobytes())
+            self.shards[-1]["tokens"] += len(ids[:room])
+            ids = ids[room:]
+
+    def _open(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        name = f"{self.prefix}-{len(self.shards):05d}.bin"
+        self._f = open(os.path.join(self.out, name), "wb")
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> list[dict]:
+        if self._f is not None:
+            self._f.close()
+        return self.shards
+
+
+def _encode(tok, texts: list[str], writer: _ShardWriter, eot: int, bar: _Bar) -> int:
+    count = 0
+    for i in range(0, len(texts), _ENCODE_CHUNK):
+        chunk = texts[i : i + _ENCODE_CHUNK]
+        for enc in tok.encode_batch(chunk, add_special_tokens=False):
+            ids = np.asarray(enc.ids + [eot], np.int64)
+            writer.write(ids)
+            count += len(ids)
+        bar.add(sum(len(t.encode("utf-8")) for t in chunk))
+    return count
+
+
+def _chunks(texts: list[str], size: int = 1 << 20) -> Iterator[str]:
+    """Long documents in pieces of about `size` characters (BPE training memory stays flat)."""
+    for t in texts:
+        for i in range(0, len(t), size):
+            yield t[i : i + size]
+
+
+def prepare(
+    inputs: list[str],
+    out: str,
+    *,
+    vocab_size: int | None = None,
+    val_fraction: float = 0.05,
+    tokenizer: str | None = None,
+    shard_tokens: int = _DEFAULT_SHARD_TOKENS,
+    progress: bool = True,
+) -> dict:
+    """Tokenize `inputs` into `out` (see the module docstring); returns the meta.json dict."""
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if os.path.exists(os.path.join(out, META)):
+        raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
+    t0 = time.time()
+    docs, skipped = read_docs(input_files(inputs))
+    train, val = split_docs(docs, val_fraction)
+    if not train or not val:
+        raise ValueError(
+            f"the input ({sum(d.nbytes for d in docs)} bytes) is too small to split with "
+            f"--val-fraction {val_fraction}; give more text"
+        )
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
+        if vocab_size and vocab_size != tok.get_vocab_size():
+            raise ValueError(
+                f"--vocab-size {vocab_size} but --tokenizer {tokenizer} has "
+                f"{tok.get_vocab_size()} entries; drop --vocab-size"
+            )
+    else:
+        tok = train_tokenizer(list(_chunks(train)), vocab_size or DEFAULT_VOCAB, progress)
+    eot = tok.token_to_id(EOT)
+    if eot is None:
+        raise ValueError(f"the tokenizer has no {EOT} token; add it as a special token")
+    vocab = tok.get_vocab_size()
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    os.makedirs(out, exist_ok=True)
+    bar = _Bar(sum(len(t.encode("utf-8")) for t in train + val), progress)
+    shards, counts = {}, {}
+    t_encode = time.time()
+    for name, texts in (("train", train), ("val", val)):
+        writer = _ShardWriter(out, name, dtype, shard_tokens)
+        try:
+            counts[name] = _encode(tok, texts, writer, eot, bar)
+        finally:
+            shards[name] = writer.close()
+    encode_seconds = time.time() - t_encode
+    tok.save(os.path.join(out, "tokenizer.json"))
+    meta = {
+        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "byte_order": "little",
+        "vocab_size": vocab, "eot_id": eot, "tokens": counts, "shards": shards,
+        "tokenizer": "tokenizer.json", "val_fraction": val_fraction,
+        "sources": [{"path": d.path, "bytes": d.nbytes, "sha256": d.sha256} for d in docs],
+        "skipped": skipped, "input_bytes": sum(d.nbytes for d in docs),
+        "seconds": time.time() - t0, "encode_seconds": encode_seconds,
+    }  # fmt: skip
+    tmp = os.path.join(out, f"{META}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(out, META))  # meta.json last: its presence means complete
+    return meta

@@ -1,0 +1,75 @@
+"""Losses: the built-in tasks and the recipe's own loss hook.
+
+    loss(model, batch, rngs) -> (scalar loss, {name: scalar metric})
+
+`model` is the model rebuilt for this step (training mode; `model.eval()` in evaluation),
+`batch` this (micro)batch's dict, `rngs` an `nnx.Rngs` keyed per step (train.seed, step,
+microbatch, data replica) whose default stream serves any stream name. Metrics are means over
+the (micro)batch, so the step's metrics are means over the global batch.
+
+Built in, chosen by the data source's kind when the recipe gives no loss (`TrainConfig.loss`):
+`lm` (causal LM: softmax cross-entropy of `model(inputs)` against `targets`) and `classify`
+(softmax cross-entropy of `model(image)` against `label`, with `accuracy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.engine.model import apply
+
+LossFn = Callable[..., tuple[jax.Array, dict]]
+
+
+def causal_lm(model, batch: dict, rngs) -> tuple[jax.Array, dict]:
+    logits_BTV = apply(model, batch["inputs"], rngs).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    return loss.mean(), {}
+
+
+def classification(model, batch: dict, rngs) -> tuple[jax.Array, dict]:
+    logits_BC = apply(model, batch["image"], rngs).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["label"]).mean()
+    accuracy = (jnp.argmax(logits_BC, -1) == batch["label"]).mean()
+    return loss, {"accuracy": accuracy}
+
+
+BUILTIN: dict[str, LossFn] = {"lm": causal_lm, "classify": classification}
+
+
+def loss_for(user_loss: LossFn | None, kind: str) -> LossFn:
+    """The recipe's loss, else the built-in task of the data source's kind."""
+    if user_loss is not None:
+        if not callable(user_loss):
+            raise ValueError(
+                f"TrainConfig.loss is a {type(user_loss).__name__}; give a function "
+                f"loss(model, batch, rngs) -> (loss, metrics dict), or None for the built-in task"
+            )
+        return user_loss
+    if kind not in BUILTIN:
+        raise ValueError(
+            f"no built-in loss for data of kind {kind!r} (built in: {sorted(BUILTIN)}); give "
+            f"the recipe a loss(model, batch, rngs) -> (loss, metrics) as TrainConfig.loss"
+        )
+    return BUILTIN[kind]
+
+
+def check_output(out, where: str) -> tuple[jax.Array, dict]:
+    """The loss hook's (loss, metrics), checked: a scalar loss and a dict of scalar metrics."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise ValueError(
+            f"{where} returned {type(out).__name__}; a loss returns (scalar loss, metrics dict)"
+        )
+    loss, metrics = out
+    if jnp.shape(loss) != ():
+        raise ValueError(f"{where} returned a loss of shape {jnp.shape(loss)}; it must be a scalar")
+    bad = {k: jnp.shape(v) for k, v in metrics.items() if jnp.shape(v) != ()}
+    if bad:
+        raise ValueError(f"{where} returned non-scalar metrics {bad}; average them to scalars")
+    return jnp.asarray(loss, jnp.float32), {
+        k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()
+    }

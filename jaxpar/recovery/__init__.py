@@ -1,0 +1,1 @@
+"""State that survives failures: Orbax checkpoints, the local snapshot tier, its peer copies."""

@@ -1,0 +1,287 @@
+"""Peer copies of local snapshots: each node's snapshots also live in another node's RAM.
+
+At start-up (`Peers.meet`) every process starts a small TCP server, and the processes exchange,
+over jax's coordination key-value store, what each holds: its own verified snapshot steps, the
+peer copies found in its node's directory, its node (host name + local tier directory: two
+agents on one machine with different tier directories are two nodes) and its server address.
+With two or more nodes, process P's snapshots go to the process of the same local rank on the
+next node (nodes ordered by their lowest process index, in a ring); that process keeps the last
+two in `<its node dir>/peer/proc<P>/slot{0,1}/`, committed like its own. A process whose own
+snapshot is gone (its node was lost) fetches the copy from whichever process now holds it.
+
+Protocol: one JSON header line, then raw bytes. `put` {src, marker} + marker.nbytes bytes ->
+{"ok": true}; `get` {src, step} -> {"ok": true, "marker", "nbytes"} + the bytes. Every request
+carries the group's token (a random value of process 0, shared only through the coordination
+service); sizes are bounded; everything received is verified by its reader like any snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+
+from jaxpar.recovery import local_tier_store as snap
+from jaxpar.rundir.runlog import W
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+IO_TIMEOUT_S = 120.0
+FETCH_ATTEMPTS = 3  # rounds over the holders of a copy when a connection fails (not a refusal)
+
+
+def _host() -> str:
+    """This process's address as the other processes reach it (that of the coordinator route)."""
+    coord = os.environ.get("JAXPAR_COORDINATOR", "")
+    if not coord:
+        from jax._src import distributed  # noqa: PLC0415
+
+        coord = distributed.global_state.coordinator_address or ""
+    host = coord.rsplit(":", 1)[0].strip("[]")
+    if not host or host in LOOPBACK:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+
+
+def _read_exact(f, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _header(f) -> dict:
+    line = f.readline(1 << 20)
+    if not line.endswith(b"\n"):
+        raise ConnectionError("no header from peer")
+    msg = json.loads(line)
+    if not isinstance(msg, dict):
+        raise ValueError("header is not an object")
+    return msg
+
+
+class Server:
+    """Receives and serves the peer copies kept in this node's local tier."""
+
+    def __init__(self, node: str, nproc: int, limit: int):
+        self.node, self.nproc, self.limit = node, nproc, limit
+        self.token: str | None = None  # set by `met` once the group has met
+        self._met = threading.Event()
+        self._lock = threading.Lock()
+        host = _host()
+        self.sock = socket.create_server((host, 0), family=_family(host))
+        self.addr = [host, self.sock.getsockname()[1]]
+        self._closed = False
+        threading.Thread(target=self._accept, name="jaxpar-peer", daemon=True).start()
+
+    def met(self, token: str) -> None:
+        """The group's token is known: requests are served from now on. A request that arrives
+        earlier (another process left the exchange first and fetches at once) waits for it."""
+        self.token = token
+        self._met.set()
+
+    def slots(self, src: int) -> snap.Slots:
+        return snap.Slots(os.path.join(self.node, "peer", f"proc{int(src)}"))
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(IO_TIMEOUT_S)
+        with conn, conn.makefile("rb") as f:
+            try:
+                while True:
+                    msg = _header(f)
+                    reply, payload = self._handle(msg, f)
+                    conn.sendall((json.dumps(reply) + "\n").encode())
+                    if payload is not None:
+                        conn.sendall(payload)
+            except (OSError, ValueError, ConnectionError):
+                return
+
+    def _handle(self, msg: dict, f) -> tuple[dict, bytes | None]:
+        src = msg.get("src")
+        if not self._met.wait(IO_TIMEOUT_S) or msg.get("token") != self.token:
+            raise ValueError("bad token")
+        if not isinstance(src, int) or not 0 <= src < self.nproc:
+            raise ValueError("bad source process")
+        if msg.get("op") == "put":
+            marker = msg.get("marker")
+            n = marker.get("nbytes") if isinstance(marker, dict) else None
+            if not isinstance(n, int) or not 0 <= n <= self.limit or "step" not in marker:
+                raise ValueError("bad marker")
+            data = _read_exact(f, n)
+            with self._lock:  # one writer per source at a time
+                slots = self.slots(src)
+                have = slots.committed()
+                newest = max((m["step"] for m in have.values()), default=None)
+                k = slots.pick(keep=newest)
+                d = slots.begin(k)
+                snap.write_data(os.path.join(d, snap.DATA), [data])
+                slots.commit(k, marker)
+            return {"ok": True}, None
+        if msg.get("op") == "get":
+            slots = self.slots(src)
+            k = slots.find(int(msg.get("step", -1)))
+            data = (
+                snap.read_bytes(os.path.join(slots.dirs[k], snap.DATA)) if k is not None else None
+            )
+            marker = snap.read_marker(slots.dirs[k]) if k is not None else None
+            if data is None or marker is None:
+                return {"ok": False, "why": "no such copy"}, None
+            return {"ok": True, "marker": marker, "nbytes": len(data)}, bytes(data)
+        raise ValueError("bad op")
+
+    def held(self, run_key: str) -> dict[str, list[int]]:
+        """src -> steps of the peer copies in this node's directory that look usable."""
+        out: dict[str, list[int]] = {}
+        for src in range(self.nproc):
+            slots = self.slots(src)
+            for k, m in slots.committed().items():
+                b = m.get("binding") or {}
+                size = snap.file_size(os.path.join(slots.dirs[k], snap.DATA))
+                if b.get("run") == run_key and b.get("process") == src and size == m.get("nbytes"):
+                    out.setdefault(str(src), []).append(m["step"])
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class Peers:
+    """This process's view of the group's peer copies: where to send, where to fetch."""
+
+    def __init__(self, tier, server: Server, offers: list[dict], nodes: list[list[int]]):
+        self.tier, self.server, self.offers = tier, server, offers
+        self.token = offers[0]["token"]
+        me = tier.process
+        i = next(n for n, procs in enumerate(nodes) if me in procs)
+        rank = nodes[i].index(me)
+        dest_node = nodes[(i + 1) % len(nodes)]
+        self.dest = dest_node[rank % len(dest_node)]
+        self._conn: tuple | None = None  # (socket, reader, address)
+        self._failed = False
+
+    @classmethod
+    def meet(cls, tier, own: dict[int, int]) -> tuple[list[dict], list[list[int]], Peers | None]:
+        """Exchange offers with every process; returns (offers, the processes of each node,
+        Peers or None on one node)."""
+        if tier.nproc == 1:
+            return [{"own": sorted(own), "held": {}}], [[0]], None
+        server = Server(tier.node, tier.nproc, limit=4 * tier.nbytes + (1 << 20))
+        node = f"{socket.gethostname()}:{os.path.realpath(tier.node)}"
+        mine = {"own": sorted(own), "held": server.held(tier.binding["run"]),
+                "node": node, "addr": server.addr,
+                "token": secrets.token_hex(16) if tier.process == 0 else None}  # fmt: skip
+        offers = snap.exchange("offer", mine)
+        server.met(offers[0]["token"])
+        keys: list[str] = []
+        for o in offers:
+            if o["node"] not in keys:
+                keys.append(o["node"])
+        nodes = [[q for q, o in enumerate(offers) if o["node"] == k] for k in keys]
+        if len(keys) < 2:
+            server.close()
+            return offers, nodes, None
+        return offers, nodes, cls(tier, server, offers, nodes)
+
+    # -- sending (the tier's writer thread) -----------------------------------------------------
+
+    def _request(self, addr, header: dict, chunks=()) -> tuple[dict, object]:
+        if self._conn is None or self._conn[2] != tuple(addr):
+            self._drop_conn()
+            sock = socket.create_connection(tuple(addr), timeout=IO_TIMEOUT_S)
+            self._conn = (sock, sock.makefile("rb"), tuple(addr))
+        sock, f, _ = self._conn
+        sock.sendall((json.dumps({**header, "token": self.token}) + "\n").encode())
+        for c in chunks:
+            sock.sendall(memoryview(c))
+        return _header(f), f
+
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn[1].close()
+                self._conn[0].close()
+            self._conn = None
+
+    def replicate(self, marker: dict, chunks: list) -> None:
+        """Send one committed snapshot to this process's peer; a failure is logged once."""
+        try:
+            reply, _ = self._request(self.offers[self.dest]["addr"],
+                                     {"op": "put", "src": self.tier.process, "marker": marker},
+                                     chunks)  # fmt: skip
+            if not reply.get("ok"):
+                raise ConnectionError(f"peer refused: {reply}")
+        except (OSError, ValueError, ConnectionError) as e:
+            self._drop_conn()
+            if not self._failed:
+                self._failed = True
+                self.tier.run.event(W.PEER_REPLICATION_FAILED, all_processes=True,
+                                    step=marker["step"], peer=self.dest, error=str(e)[:300])  # fmt: skip
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def fetch(self, step: int) -> tuple[dict | None, bytearray | None, str]:
+        """This process's snapshot of `step` from a process holding its peer copy:
+        (marker, bytes, "") or (None, None, why not). A failed connection is retried."""
+        me = str(self.tier.process)
+        holders = [q for q, o in enumerate(self.offers) if step in o.get("held", {}).get(me, [])]
+        if not holders:
+            return None, None, "no copy (own or peer)"
+        errors: list[str] = []
+        for attempt in range(FETCH_ATTEMPTS):
+            if attempt:
+                time.sleep(attempt)
+            errors, retry = [], False
+            for q in holders:
+                try:
+                    reply, f = self._request(self.offers[q]["addr"],
+                                             {"op": "get", "src": self.tier.process,
+                                              "step": step})  # fmt: skip
+                    if not reply.get("ok"):
+                        errors.append(f"process {q}: {str(reply.get('why', 'refused'))[:100]}")
+                        continue
+                    n = int(reply["nbytes"])
+                    if not 0 <= n <= self.server.limit:
+                        self._drop_conn()  # its bytes are not read: the stream is out of step
+                        errors.append(f"process {q}: {n} bytes is out of bounds")
+                        continue
+                    return reply["marker"], _read_exact(f, n), ""
+                except (OSError, ValueError, ConnectionError, KeyError, TypeError) as e:
+                    self._drop_conn()
+                    errors.append(f"process {q}: {type(e).__name__}: {str(e)[:100]}")
+                    retry = True
+            if not retry:
+                break
+        return None, None, "peer copy not fetched: " + "; ".join(errors)
+
+    def drop_held(self, keep: int | None = None) -> None:
+        """Invalidate the peer copies this node holds, except those of step `keep`."""
+        with self.server._lock:
+            for src in range(self.tier.nproc):
+                self.server.slots(src).drop_except(keep)
+
+    def close(self) -> None:
+        self._drop_conn()
+        self.server.close()

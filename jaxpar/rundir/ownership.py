@@ -1,0 +1,237 @@
+"""Run-directory safety: one owner at a time, path checks before anything is written, and
+clearing of run-directory folders that never leaves the run directory.
+
+    rundir.check_path(run_dir)                       # ValueError: /proc, a file, not writable
+    lock = rundir.acquire(run_dir, "jaxpar launch")  # RunDirLocked (a ValueError) when held
+    env.update(lock.env())                           # workers run under this lock
+    ...
+    lock.release()
+
+The lock is RUN_DIR/lock, held with flock(2) for the owner's whole life; the file holds JSON
+{pid, host, owner, token, since} for the message a second run prints. The kernel drops a flock
+when its holder dies, so a lock left by a dead process (SIGKILL, a lost host) is taken over
+without guessing from its pid, which may be reused or live on another host. The file descriptor
+is not inherited by child processes (O_CLOEXEC).
+
+A supervisor (`jaxpar launch`) takes the lock once for the whole job and passes its token to its
+workers in JAXPAR_RUN_LOCK; a worker whose token matches the lock file's runs under its
+supervisor's lock (`acquire_or_inherit`). `python -m train` alone takes the lock itself (in a
+multi-process job without a supervisor, process 0 takes it for all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import stat
+import sys
+import time
+from dataclasses import dataclass
+
+from jaxpar.rundir import runlog
+
+LOCK_FILE = runlog.LOCK
+ENV_RUN_LOCK = "JAXPAR_RUN_LOCK"  # the token of the lock a supervisor holds for its workers
+_SYSTEM_DIRS = ("/proc", "/sys", "/dev")
+
+
+class RunDirLocked(ValueError):
+    """Another live process owns the run directory."""
+
+
+# ---- paths --------------------------------------------------------------------------------------
+
+
+def check_path(run_dir: str, option: str = "--run-dir") -> str:
+    """Refuse an output directory that cannot be one (ValueError naming `option` and the fix);
+    nothing is created. Returns the absolute path."""
+    path = os.path.abspath(run_dir)
+    real = os.path.realpath(path)
+    for system in _SYSTEM_DIRS:
+        if real == system or real.startswith(system + os.sep):
+            raise ValueError(
+                f"{option} {run_dir} is under {system}, a kernel filesystem; use a directory on "
+                f"a normal disk, e.g. {option} runs/NAME"
+            )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {run_dir} is a file, not a directory; give a directory path")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"{option} {run_dir}: {probe} is a file, so the directory cannot exist")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {run_dir}: {probe} is not writable; choose another directory")
+    return path
+
+
+def inside(run_dir: str, path: str) -> bool:
+    """Whether `path`, with every symlink resolved, lies inside `run_dir`."""
+    root = os.path.realpath(run_dir)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+
+def clear_dir(run_dir: str, name: str) -> str:
+    """Empty RUN_DIR/NAME (creating it if absent) without following symlinks out of the run dir.
+
+    A symlink at RUN_DIR/NAME is removed (not its target) and replaced by a real folder; entries
+    that are symlinks are unlinked, sub-folders removed with shutil.rmtree (which never follows
+    symlinks). Returns the folder's path."""
+    path = os.path.join(os.path.abspath(run_dir), name)
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    os.makedirs(path, exist_ok=True)
+    if not inside(run_dir, path):  # a symlinked parent folder
+        raise ValueError(f"{path} resolves outside the run directory {run_dir}; not clearing it")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for entry in os.listdir(fd):
+            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+# ---- the lock -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunDirLock:
+    """An owned (or inherited) lock on a run directory; `release()` ends ownership."""
+
+    run_dir: str
+    token: str
+    fd: int | None  # None: inherited from a supervisor, which releases it
+    took_over: dict | None = None  # the record of a dead holder this lock replaced
+
+    def env(self) -> dict[str, str]:
+        """Environment that lets child workers run under this lock."""
+        return {ENV_RUN_LOCK: self.token}
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        # Unlink while still holding the flock: a waiter that opened the old file notices the
+        # inode change after it gets the lock and retries on a new file.
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.run_dir, LOCK_FILE))
+        os.close(fd)
+
+
+def read_holder(run_dir: str) -> dict:
+    """The lock file's record (pid, host, owner, token, since), {} if absent or unreadable."""
+    try:
+        with open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
+            record = json.loads(f.read(4096).decode("utf-8", "replace") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def describe(record: dict) -> str:
+    since = record.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    return (
+        f"{record.get('owner', 'a process')} (pid {record.get('pid', '?')} on host "
+        f"{record.get('host', '?')}, since {when})"
+    )
+
+
+def locked_message(run_dir: str) -> str:
+    return (
+        f"run directory {run_dir} is in use by {describe(read_holder(run_dir))}; wait for it to "
+        f"finish or stop it, or use another --run-dir"
+    )
+
+
+def acquire(run_dir: str, owner: str) -> RunDirLock:
+    """Take the run directory's lock (creating the directory); RunDirLocked if a live process
+    holds it. A lock file whose holder is dead is taken over (see `RunDirLock.took_over`)."""
+    run_dir = os.path.abspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, LOCK_FILE)
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirLocked(locked_message(run_dir)) from None
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # released and unlinked meanwhile: lock the new file instead
+            os.close(fd)
+            continue
+        previous = read_holder(run_dir)
+        token = secrets.token_hex(16)
+        record = {
+            "pid": os.getpid(), "host": socket.gethostname(), "owner": owner, "token": token,
+            "since": time.time(),
+        }  # fmt: skip
+        data = json.dumps(record).encode() + b"\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        return RunDirLock(run_dir, token, fd, took_over=previous or None)
+    raise RunDirLocked(f"run directory {run_dir}: could not take its lock (it kept changing)")
+
+
+def acquire_or_inherit(run_dir: str, owner: str) -> RunDirLock:
+    """`acquire`, unless JAXPAR_RUN_LOCK names the token of the lock now held on this run
+    directory (a supervisor's): then the caller runs under that lock and releases nothing."""
+    token = os.environ.get(ENV_RUN_LOCK)
+    if token and read_holder(run_dir).get("token") == token and held(run_dir):
+        return RunDirLock(os.path.abspath(run_dir), token, None)
+    return acquire(run_dir, owner)
+
+
+def held(run_dir: str) -> bool:
+    """Whether a live process holds the run directory's lock (nothing is created)."""
+    path = os.path.join(os.path.abspath(run_dir), LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock taken just now
+    return False
+
+
+def resume_command(run_dir: str, argv: list[str] | None = None) -> str:
+    """The command line of this process (sys.orig_argv) with its --run-dir made explicit: what
+    resumes the run after an interruption."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    if len(argv) > 1 and os.path.basename(argv[1]) == "jaxpar":  # the console script
+        argv = argv[1:]
+    if argv:
+        argv[0] = (
+            "python"
+            if os.path.basename(argv[0]).startswith("python")
+            else os.path.basename(argv[0])
+        )
+    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv):
+        argv += ["--run-dir", run_dir]
+    return shlex.join(argv)

@@ -1,0 +1,1 @@
+"""Commands that read or use a finished run: report, inspect, sample, export."""

@@ -1,0 +1,117 @@
+"""`jaxpar inspect`: shardings of every parameter and the compiled step's collectives, no allocation.
+
+jaxpar inspect --recipe gpt_tiny --mesh dp2_tp4
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar import contract
+from jaxpar.config import TrainConfig
+from jaxpar.engine import collectives
+from jaxpar.engine.rules import Preset
+from jaxpar.parallel import pipeline
+from jaxpar.worker.training import compile_step, setup
+
+
+def _bytes_per_device(shape, dtype, sharding) -> int:
+    shard = sharding.shard_shape(tuple(shape))
+    return math.prod(shard) * dtype.itemsize
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def param_table(session) -> tuple[list[dict], int, int]:
+    """Rows of (path, logical, spec, shape, bytes per device); totals for params and state."""
+    prog = session.program
+    rows = []
+    flat_abs = jax.tree_util.tree_leaves_with_path(prog.abstract_state["params"])
+    logical = dict(jax.tree_util.tree_leaves_with_path(prog.param_logical, is_leaf=_is_names))
+    for path, leaf in flat_abs:
+        rows.append({
+            "path": jax.tree_util.keystr(path),
+            "logical": logical.get(path),
+            "spec": leaf.sharding.spec,
+            "shape": tuple(leaf.shape),
+            "bytes_global": math.prod(leaf.shape) * leaf.dtype.itemsize,
+            "bytes_per_device": _bytes_per_device(leaf.shape, leaf.dtype, leaf.sharding),
+        })  # fmt: skip
+    state_dev = sum(
+        _bytes_per_device(x.shape, x.dtype, x.sharding)
+        for x in jax.tree.leaves(prog.abstract_state)
+    )
+    return rows, sum(r["bytes_per_device"] for r in rows), state_dev
+
+
+def _is_names(x) -> bool:
+    return x is None or (isinstance(x, tuple) and all(isinstance(n, str | None) for n in x))
+
+
+def _comm_lines(s, step_colls) -> list[str]:
+    """Bytes over `data` per optimizer step for the communication options (comm.*)."""
+    data = ("data",)
+    per_step = collectives.total_wire_bytes(step_colls, data)
+    lines = ["", f"## gradient communication over `data` (comm.compress={s.cfg.comm.compress})"]
+    if s.program.sync_step is not None:
+        h = s.program.sync_every
+        sync = s.program.sync_step.lower(s.program.abstract_state).compile()
+        sync_colls = collectives.audit(sync, s.mesh)
+        sync_bytes = collectives.total_wire_bytes(sync_colls, data)
+        lines += [
+            f"DiLoCo sync step (every {h} steps):", "", collectives.format_audit(sync_colls), "",
+            f"bytes sent over `data` per step: {per_step:,} (inner) + {sync_bytes:,} / {h} (sync) "
+            f"= {per_step + sync_bytes / h:,.0f}",
+        ]  # fmt: skip
+        return lines
+    dtypes = sorted({c.dtype for c in step_colls if c.mesh_axes == data})
+    lines.append(f"bytes sent over `data` per step: {per_step:,} (collective dtypes: {dtypes})")
+    if s.cfg.comm.compress == "bf16" and "bf16" not in dtypes:
+        lines.append(
+            f"note: this backend ({jax.devices()[0].platform}) widened the bf16 collectives to "
+            f"{', '.join(dtypes)}: no bytes are saved here"
+        )
+    return lines
+
+
+def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) -> str:
+    """The inspection report as markdown text."""
+    s = setup(cfg, preset, run_dir)
+    rows, params_dev, state_dev = param_table(s)
+    total = sum(r["bytes_global"] for r in rows)
+    out = [
+        f"# {cfg.name} on mesh {dict(s.mesh.shape)} ({jax.device_count()} devices, "
+        f"{jax.devices()[0].platform})",
+        "",
+        *([w, ""] if (w := contract.unsharded_warning(s.program.param_logical)) else []),
+        "| parameter | logical axes | PartitionSpec | global shape | bytes/device |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['path']} | {r['logical']} | {tuple(r['spec'])} | {r['shape']} | "
+            f"{_human(r['bytes_per_device'])} |"
+        )
+    out += [
+        "",
+        f"parameters: {total:,} bytes global ({_human(total)}); per device {_human(params_dev)} "
+        f"({params_dev / total:.1%} of all)",
+        f"training state (params + optimizer) per device: {_human(state_dev)}",
+    ]
+    if audit:
+        compiled, seconds = compile_step(s)
+        colls = collectives.audit(compiled, s.mesh)
+        out += ["", f"## collectives of the compiled train step (compiled in {seconds:.1f}s)", ""]
+        out.append(collectives.format_audit(colls))
+        out += _comm_lines(s, colls)
+    if s.mesh.shape["pipeline"] > 1:
+        out += pipeline.inspect_lines(cfg, s.program, colls if audit else None)
+    return "\n".join(out)

@@ -1,0 +1,666 @@
+"""The training loop: config -> mesh -> sharded state -> steps -> run directory.
+
+    recipe -> TrainConfig -> Preset (mesh + rules) -> Program (step.py) -> init or restore ->
+    loop { batch(step) -> train step -> metrics -> maybe save -> fault/preemption checks }
+
+Used by `python -m train` and by tests that build a config in Python and call `run(config)`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import __version__, contract
+from jaxpar.config import TrainConfig, config_hash, hashed_dict, to_dict, validate, warnings_for
+from jaxpar.data import sources as data_lib
+from jaxpar.engine.mesh import MeshSpec, make_mesh
+from jaxpar.engine.rules import Preset, validate_rules
+from jaxpar.parallel.program import Program, build_program
+from jaxpar.recovery import local_tier
+from jaxpar.recovery.checkpoint import (
+    Checkpointer,
+    Preempted,
+    ReplicaMismatch,
+    replica_mismatches,
+    say,
+    warm_replica_check,
+)
+from jaxpar.recovery.checkpoint import preflight as checkpoint_preflight
+from jaxpar.rundir import ownership, runlog
+from jaxpar.rundir.runlog import W, write_json
+from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter, mfu, peak_flops, summarize
+from jaxpar.worker import bootstrap, compile_cache, standby
+from jaxpar.worker.faults import Faults, NonFiniteLoss
+from jaxpar.worker.faults import check_processes as check_fault_processes
+from jaxpar.worker.faults import parse_all as parse_faults
+
+
+@dataclass
+class Session:
+    """What one incarnation of a run has built: layout, data source, compiled program, writers."""
+
+    cfg: TrainConfig
+    preset: Preset
+    mesh: jax.sharding.Mesh
+    source: data_lib.Source
+    program: Program
+    run: RunDir
+    flops_per_step: float | None
+    peak: float | None
+    tb: TensorBoardWriter | None = None  # log.tensorboard, process 0
+    eval_compiled: Any = None  # the compiled eval step, once loaded (eval_program)
+
+
+def make_source(cfg: TrainConfig) -> data_lib.Source:
+    """The run's data source (`data.source`: a name, MODULE:CALLABLE, or an object)."""
+    vocab = getattr(cfg.model, "vocab_size", 256)
+    seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
+    return data_lib.make_source(
+        cfg.data.source, seq_len=seq, vocab_size=vocab, seed=cfg.data.seed, path=cfg.data.path,
+        dtype=cfg.data.dtype,
+    )  # fmt: skip
+
+
+def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
+    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
+    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+        raise ValueError(
+            f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
+            f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
+            "unless model.vocab_size is set)"
+        )
+
+
+def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
+    """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
+
+    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    if not hasattr(cfg.model, "vocab_size"):
+        return cfg
+    source = make_source(cfg)
+    want = getattr(source, "vocab_size", None)
+    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+        check_vocab(cfg, source)
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))
+
+
+def flops_per_step(cfg: TrainConfig, source: data_lib.Source) -> float | None:
+    """Model FLOPs of one optimizer step by the 6*N*T formula (plus attention), where known."""
+    seq = source.seq_len if source.kind == "lm" else 1
+    return contract.flops_per_step(cfg.model, source.kind, cfg.data.global_batch, seq)
+
+
+def setup(
+    cfg: TrainConfig,
+    preset: Preset,
+    run_dir: str,
+    incarnation: int | None = None,
+    devices: list | None = None,
+    create: bool = True,
+) -> Session:
+    """Build the mesh (over `devices`, default all), data source and program; write config.json
+    (create=False: write nothing yet, see `open_run_dir`)."""
+    contract.check_model_config(cfg.model)
+    validate_rules(preset.params)
+    validate_rules(preset.acts)
+    mesh = make_mesh(preset.mesh, devices)
+    source = make_source(cfg)
+    check_vocab(cfg, source)
+    spec = data_lib.batch_spec(source, cfg.data.global_batch)
+    program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
+    run = RunDir(run_dir, jax.process_index(), incarnation, create=False)
+    kind = jax.devices()[0].device_kind
+    s = Session(
+        cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind)
+    )
+    if create:
+        open_run_dir(s)
+    return s
+
+
+def open_run_dir(s: Session) -> None:
+    """Create the run directory and write config.json (after every check has passed)."""
+    s.run.create()
+    if s.run.is_writer:
+        resolved = to_dict(s.cfg)
+        resolved["mesh_resolved"] = str(MeshSpec(**dict(s.mesh.shape)))
+        resolved["config_hash"] = config_hash(s.cfg)
+        write_json(s.run.file(runlog.CONFIG), resolved)
+
+
+def device_batch(s: Session, step: int, split: str = "train") -> dict:
+    local = data_lib.host_batch(
+        s.source, step=step, global_batch=s.cfg.data.global_batch, seed=s.cfg.data.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(), split=split,
+    )  # fmt: skip
+    return data_lib.to_device(local, s.program.batch_shardings, s.cfg.data.global_batch)
+
+
+def _abstract_batch(s: Session) -> dict:
+    spec = data_lib.batch_spec(s.source, s.cfg.data.global_batch)
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.program.batch_shardings[k])
+        for k, v in spec.items()
+    }
+
+
+def compile_step(s: Session):
+    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
+    t0 = time.time()
+    poison = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(s.mesh, PartitionSpec()))
+    lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s), poison)
+    compiled, _ = compile_cache.compile(lowered, "train_step")
+    return compiled, time.time() - t0
+
+
+def eval_program(s: Session):
+    """The eval step, AOT-compiled once per incarnation through the compiled-program cache (a
+    restarted group loads it instead of compiling it again at its first evaluation)."""
+    if s.eval_compiled is None:
+        lowered = s.program.eval_step.lower(s.program.abstract_state, _abstract_batch(s))
+        s.eval_compiled = compile_cache.compile(lowered, "eval_step")[0]
+    return s.eval_compiled
+
+
+def evaluate(s: Session, state: dict, step: int) -> dict:
+    """Loss and every metric of the loss, averaged over train.eval_batches batches of the eval
+    split; written as eval_loss, eval_NAME. Returns the metrics line."""
+    values: dict[str, list[float]] = {}
+    program = eval_program(s)
+    for i in range(s.cfg.train.eval_batches):
+        batch = device_batch(s, i, split="eval")
+        for k, v in jax.device_get(program(state, batch)).items():
+            values.setdefault(k, []).append(float(np.mean(v)))
+    order = sorted(values, key=lambda k: k != "loss")  # eval_loss first
+    line = {"step": step, **{f"eval_{k}": float(np.mean(values[k])) for k in order}}
+    line["time"] = time.time()
+    s.run.metrics(line)
+    if s.tb:
+        s.tb.write(line)
+    return line
+
+
+ENGINE_METRICS = ("loss", "lr", "grad_norm")  # the step's own; the rest come from the loss
+
+
+def loss_metrics(line: dict, prefix: str = "") -> dict:
+    """The loss function's own metrics (e.g. accuracy) of a metrics line, for display."""
+    skip = {f"{prefix}{k}" for k in ENGINE_METRICS}
+    return {k: v for k, v in line.items() if k.startswith(prefix) and k not in skip
+            and k not in METRICS_LINE_KEYS}  # fmt: skip
+
+
+def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
+    # per-replica values (DiLoCo) are averaged on the host, adding no collective
+    line = {"step": step, "loss": float(np.mean(m["loss"])), "step_time_s": dt}
+    b = s.cfg.data.global_batch
+    if s.source.kind == "lm":
+        line["tokens_per_s"] = b * s.source.seq_len / dt
+    else:
+        line["samples_per_s"] = b / dt
+    line["mfu"] = mfu(s.flops_per_step, dt, jax.device_count(), s.peak)
+    stats = jax.local_devices()[0].memory_stats()  # None on CPU
+    line["mem_gb"] = stats["bytes_in_use"] / 1e9 if stats and "bytes_in_use" in stats else None
+    for k, v in m.items():  # lr, grad_norm and every metric the loss returns (e.g. accuracy)
+        if k != "loss":
+            line[k] = float(np.mean(v))
+    line["time"] = time.time()
+    return line
+
+
+# keys of a metrics line that are not metrics of the model
+METRICS_LINE_KEYS = frozenset(
+    ("step", "step_time_s", "tokens_per_s", "samples_per_s", "mfu", "mem_gb", "time")
+)
+
+
+def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
+    cfg = s.cfg
+    meta = {
+        **_config_meta(cfg),
+        "mesh": str(MeshSpec(**dict(s.mesh.shape))),
+        "nproc": jax.process_count(),
+        "jaxpar_version": __version__,
+        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
+    }
+    ckpt = Checkpointer(
+        s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
+        use_async=cfg.ckpt.use_async, before_commit=faults.before_commit,
+    )  # fmt: skip
+    faults.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
+    ckpt.warm_up(s.program.abstract_state)  # compile the checksums now, not in the first save
+    return ckpt
+
+
+def _config_meta(cfg: TrainConfig) -> dict:
+    return {"config_hash": config_hash(cfg), "config": hashed_dict(cfg)}
+
+
+def _layout_bound_target(s: Session, ckpt: Checkpointer) -> tuple[dict, int | None]:
+    """Restore target, adjusted for state whose shape depends on the data-axis size.
+
+    Error-feedback residuals ("comm", one per data replica) restore only onto the same data
+    size; onto another they are restored as saved and then reset to zero. DiLoCo's per-replica
+    parameters cannot be re-split: that restore is refused with a clear error.
+    Returns (target, data size of the checkpoint when it differs from this mesh's, else None).
+    """
+    target = s.program.abstract_state
+    bound = "comm" in target or s.program.sync_step is not None
+    steps = ckpt.committed_steps() if bound and s.cfg.ckpt.restore != "none" else []
+    if not steps:
+        return target, None
+    step = int(s.cfg.ckpt.restore) if s.cfg.ckpt.restore.isdigit() else steps[-1]
+    old = MeshSpec.parse(ckpt.read_meta(step)["mesh"]).data
+    if old == s.mesh.shape["data"]:
+        return target, None
+    if s.program.sync_step is not None:
+        raise ValueError(
+            f"this DiLoCo checkpoint holds {old} replicas but the mesh has data="
+            f"{s.mesh.shape['data']}; restore it with the same data-axis size"
+        )
+    replicated = NamedSharding(s.mesh, PartitionSpec())
+    comm = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((old, *x.shape[1:]), x.dtype, sharding=replicated),
+        target["comm"],
+    )
+    return {**target, "comm": comm}, old
+
+
+def _local_tier(s: Session, faults: Faults) -> local_tier.LocalTier | None:
+    cfg = s.cfg
+    if cfg.ckpt.local_every == 0:
+        return None
+    binding = {"config_hash": config_hash(cfg), "mesh": str(MeshSpec(**dict(s.mesh.shape)))}
+    return local_tier.LocalTier(
+        s.run, s.program.abstract_state, every=cfg.ckpt.local_every, binding=binding,
+        root=local_tier.default_root(cfg.ckpt.local_dir), before_commit=faults.before_snapshot,
+    )  # fmt: skip
+
+
+def restore_or_init(
+    s: Session, ckpt: Checkpointer, tier: local_tier.LocalTier | None = None
+) -> dict:
+    """The newest complete local snapshot if not older than the newest good checkpoint, else
+    that checkpoint resharded onto this mesh, else a fresh sharded init."""
+    skipped: list[int] = []
+    fallback: dict | None = None  # local snapshots existed but none was used
+    if tier is not None:
+        steps = ckpt.committed_steps() if s.cfg.ckpt.restore == "latest" else []
+        got = tier.restore(steps[-1] if steps else (None if s.cfg.ckpt.restore == "latest" else -1))
+        if got is not None:
+            state, info = got
+            if not replica_mismatches(state, s.mesh):
+                s.run.event(
+                    W.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
+                    to_mesh=ckpt.meta["mesh"], from_nproc=jax.process_count(),
+                    to_nproc=jax.process_count(), fetched=info["fetched"],
+                    local_skipped=info["skipped"],
+                )  # fmt: skip
+                return state
+            s.run.event(W.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
+                        reason="data-parallel replicas differ")  # fmt: skip
+            skipped = [*info["skipped"], info["step"]]
+            tier.discard()
+            fallback = {"skipped": skipped, "incomplete": []}
+        else:
+            fallback = tier.fallback
+    state, source = _restore_persistent(s, ckpt, skipped)
+    if fallback is not None:
+        _announce_fallback(s, fallback, source, int(state["step"]))
+    if tier is not None:
+        tier.forget_except(int(state["step"]))  # other steps are another timeline
+    return state
+
+
+def _announce_fallback(s: Session, fallback: dict, source: str, step: int) -> None:
+    """Local snapshots were there but none could be used: never a silent step back."""
+    s.run.event(W.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
+                incomplete=fallback["incomplete"])  # fmt: skip
+    if s.run.is_writer:
+        why = []
+        if fallback["skipped"]:
+            why.append(f"step(s) {fallback['skipped']} rejected (see snapshot_rejected)")
+        if fallback["incomplete"]:
+            why.append(f"step(s) {fallback['incomplete']} not held for every process")
+        to = f"the persistent checkpoint of step {step}" if source == "persistent" else "step 0"
+        say(f"warning: no local snapshot usable ({'; '.join(why)}); restarting from {to}")
+
+
+def _restore_persistent(
+    s: Session, ckpt: Checkpointer, local_skipped: list[int]
+) -> tuple[dict, str]:
+    """(state, "persistent" | "init")."""
+    target, old_data = _layout_bound_target(s, ckpt)
+    got = ckpt.restore(target, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
+    if got is None:
+        return s.program.init(), "init"
+    state, meta = got
+    if old_data is not None:  # residuals of another data size: start error feedback afresh
+        state["comm"] = jax.tree.map(
+            lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
+            s.program.abstract_state["comm"],
+        )
+        s.run.event(W.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
+    s.run.event(
+        W.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
+        to_mesh=ckpt.meta["mesh"], from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
+        skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
+    )  # fmt: skip
+    check_replicas(s, state, "restore")
+    return state, "persistent"
+
+
+def check_replicas(s: Session, state: dict, when: str) -> None:
+    bad = replica_mismatches(state, s.mesh)  # params and optimizer state
+    if bad:
+        s.run.event(W.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20])
+        raise ReplicaMismatch(
+            f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
+            f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
+        )
+
+
+def _stop_requested(s: Session, ckpt: Checkpointer, step: int, t_start: float) -> str | None:
+    ckpt.check()  # a background save that failed (a full disk) stops the run now
+    if ckpt.reached_preemption(step):
+        return "preempted"
+    limit = s.cfg.run.max_wall_s
+    if limit > 0:
+        over = np.int32(time.time() - t_start > limit)
+        if jax.process_count() > 1:  # every process must stop at the same step
+            over = multihost_utils.broadcast_one_to_all(over)
+        if over:
+            return "wall_time"
+    return None
+
+
+def _save(s: Session, ckpt: Checkpointer, state: dict, step: int, force: bool = False) -> None:
+    check_replicas(s, state, "save")
+    ckpt.save(step, state, force=force)
+
+
+class NothingToDo(Exception):
+    """The run directory's checkpoint is already at or past the requested steps."""
+
+
+def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
+    """Every check that can refuse a run, before it writes anything to `run_dir`: config ranges,
+    fault specs, the path, the newest checkpoint's config. Returns the parsed fault specs.
+
+    Raises ValueError (CheckpointMismatch) naming the fix, or NothingToDo."""
+    validate(cfg)
+    specs = parse_faults(list(faults))
+    if not os.environ.get(bootstrap.ENV_SUPERVISED):  # a launched job may have shrunk since
+        check_fault_processes([s for s in specs if s.text in faults], jax.process_count())
+    ownership.check_path(run_dir)
+    ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
+    meta = _config_meta(cfg)
+    step = checkpoint_preflight(ckpt_dir, meta, which=cfg.ckpt.restore, force=cfg.ckpt.force)
+    if (
+        step is not None
+        and step >= cfg.train.steps
+        and not os.environ.get(bootstrap.ENV_SUPERVISED)
+    ):
+        raise NothingToDo(f"checkpoint at step {step} ≥ --steps {cfg.train.steps}; nothing to do")
+    return specs
+
+
+def _lock(s: Session) -> ownership.RunDirLock | None:
+    """The run directory's lock: process 0 takes it (or runs under its supervisor's) for every
+    process; RunDirLocked on all processes when another run holds it."""
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = ownership.acquire_or_inherit(s.run.path, "python -m train")
+        except ownership.RunDirLocked as e:
+            error = str(e)
+    ok = np.int32(not error)
+    if jax.process_count() > 1:
+        ok = multihost_utils.broadcast_one_to_all(ok)
+    if not ok:
+        raise ownership.RunDirLocked(error or ownership.locked_message(s.run.path))
+    if lock is not None and lock.took_over and lock.took_over.get("pid"):
+        say(
+            f"took over the lock of {ownership.describe(lock.took_over)}, which is no longer running"
+        )
+    return lock
+
+
+def run(
+    cfg: TrainConfig,
+    preset: Preset,
+    run_dir: str,
+    *,
+    faults: list[str] = (),
+    progress: bool | None = None,
+) -> dict:
+    """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict.
+
+    Nothing is written to `run_dir` until every check has passed (`preflight`, the mesh and
+    program) and the run directory's lock is held. Raises Preempted (after a coordinated save),
+    NonFiniteLoss, ReplicaMismatch, NothingToDo, or ValueError for a refused run.
+    """
+    t_start = time.time()
+    cfg, preset = supervised_layout(cfg, preset)
+    env_inc = os.environ.get("JAXPAR_INCARNATION")
+    specs = preflight(cfg, run_dir, list(faults))
+    s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
+    early = None
+    if standby.pending():  # the next incarnation, built ahead: wait for the failure here
+        early = _standby_ready(s)
+        t_start = time.time()
+    lock = _lock(s)
+    try:
+        return _run_locked(s, specs, t_start, progress, early)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _shared_cache(cfg: TrainConfig) -> str | None:
+    return compile_cache.shared_directory(cfg.run.compile_cache_dir)
+
+
+def _standby_ready(s: Session) -> tuple:
+    """A standby worker (jaxpar/worker/standby.py): load or compile the train step without writing the
+    run directory, report ready and wait for "go". Returns (compiled, seconds)."""
+    directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
+    compile_cache.configure(directory, readonly=True, shared=_shared_cache(s.cfg))
+    early = compile_step(s)
+    if 0 < s.cfg.train.eval_every <= s.cfg.train.steps:
+        eval_program(s)  # loaded now, not at the new group's first evaluation
+    _warm_step(s, early[0])
+    standby.wait_for_go()  # returns on "go"; a released standby exits here
+    return early
+
+
+def _warm_step(s: Session, compiled) -> None:
+    """Run the restore's replica check and the compiled step once on a throwaway state of zeros
+    and batch 0, and drop the results: their collectives connect (gloo on CPU connects at a
+    program's first collective) and their first-run set-up happens now, not in the restore and
+    the first step after a failure. Nothing is written; the extra state lives only while it
+    runs. A failure costs only the warm-up."""
+
+    def zeros(a):
+        return jax.make_array_from_callback(
+            a.shape, a.sharding, lambda idx: np.zeros(_shard_shape(a.shape, idx), a.dtype)
+        )
+
+    try:
+        state = jax.tree.map(zeros, s.program.abstract_state)
+        replicated = NamedSharding(s.mesh, PartitionSpec())
+        one = jax.make_array_from_callback((), replicated, lambda _: np.float32(1.0))
+        t0 = time.time()
+        warm_replica_check(state, s.mesh)  # what a restore runs on the state it read
+        jax.block_until_ready(compiled(state, device_batch(s, 0), one))
+        print(f"jaxpar: standby warm-up step ran ({time.time() - t0:.2f}s)", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the standby still goes, its first step is colder
+        print(f"jaxpar: standby warm-up step skipped ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+def _shard_shape(shape: tuple, index: tuple) -> tuple:
+    """The shape of `index` (a tuple of slices, as make_array_from_callback passes) into `shape`."""
+    return tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=False))
+
+
+def _run_locked(
+    s: Session, specs: list, t_start: float, progress: bool | None, early: tuple | None = None
+) -> dict:
+    cfg = s.cfg
+    open_run_dir(s)
+    compile_cache.configure(
+        s.run.file(runlog.COMPILED) if cfg.run.compile_cache else None, shared=_shared_cache(cfg)
+    )
+    if s.run.is_writer:
+        for name, bad in s.run.unreadable_lines().items():
+            say(f"{s.run.file(name)}: skipped {bad} unreadable line(s) (torn or not JSON)")
+        for text in warnings_for(cfg):
+            say(f"warning: {text}")
+    if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
+        multihost_utils.sync_global_devices("jaxpar_start")
+    s.run.write_incarnation()
+    mesh_text = str(MeshSpec(**dict(s.mesh.shape)))
+    warning = contract.unsharded_warning(s.program.param_logical)
+    if warning and s.run.is_writer:
+        print(f"jaxpar: {warning}", file=sys.stderr)
+    s.run.event(
+        W.START, nproc=jax.process_count(), mesh=mesh_text,
+        warm=standby.start_path() != "cold",  # a pre-started spare or standby worker
+        path=standby.start_path(),
+    )  # fmt: skip
+    if s.run.is_writer:
+        say(
+            f"{cfg.name}: mesh {mesh_text} on {jax.device_count()} {jax.devices()[0].platform} "
+            f"device(s), {jax.process_count()} process(es); run directory {s.run.path}"
+        )
+    inject = Faults(specs, s.run, jax.process_index())
+    ckpt = _checkpointer(s, inject)
+    tier = _local_tier(s, inject)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
+    last = None
+    try:
+        # Trace, lower and compile (or load) the step while the checkpoint is read: both only
+        # need the abstract state, and orbax's reads release the GIL.
+        step_program = pool.submit(compile_step, s) if early is None else None
+        copy_program = pool.submit(tier.warm_up) if tier is not None else None
+        state = restore_or_init(s, ckpt, tier)
+        compiled, seconds = step_program.result() if early is None else early
+        s.run.event(W.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats())
+        if copy_program is not None:
+            copy_program.result()
+            s.run.event(W.LOCAL_TIER, **tier.describe())
+        inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
+        inject.wait_for_snapshot = tier.wait if tier else None
+        bootstrap.barrier("jaxpar_compiled")  # the first step's collectives start together
+        s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
+        try:
+            last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
+        except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
+            kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
+            own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
+            if own and not getattr(e, "interrupted", False):  # name an injected fault as such
+                e.args = (f"{e.args[0]} (injected fault {', '.join(own)})", *e.args[1:])
+            raise
+    finally:
+        pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
+        ckpt.close()
+        if tier is not None:  # a finished run's final state is in a persistent checkpoint
+            failed = sys.exc_info()[0] is not None
+            tier.close(complete=last == cfg.train.steps, failed=failed)
+            if not failed:
+                s.run.event(W.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
+        if s.tb:
+            s.tb.close()
+    s.run.event(W.DONE, step=last, complete=last == cfg.train.steps)
+    summary = summarize(s.run, time.time() - t_start)
+    if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
+        write_json(s.run.file(runlog.SUMMARY), summary)
+    return summary
+
+
+def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int:
+    """Train from the state's step to cfg.train.steps; returns the last step completed."""
+    cfg = s.cfg
+    start = int(state["step"])
+    show = cfg.log.progress if progress is None else progress
+    bar = Progress(cfg.train.steps, start, enabled=show and s.run.is_writer)
+    unit = "tok" if s.source.kind == "lm" else "samples"
+    replicated = NamedSharding(s.mesh, PartitionSpec())
+    for step in range(start, cfg.train.steps):
+        stop = _stop_requested(s, ckpt, step, t_start)
+        if stop:
+            _save(s, ckpt, state, step, force=True)
+            ckpt.wait()
+            kind = W.PREEMPTED if stop == "preempted" else W.WALL_TIME_LIMIT
+            s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
+            if stop == "preempted":
+                if ckpt.interrupted:
+                    msg = f"interrupted at step {step}; checkpoint saved"
+                    raise Preempted(msg, step, interrupted=True, run_dir=s.run.path)
+                raise Preempted(f"preempted at step {step}; saved", step)
+            return step
+        inject.before_step(step)
+        # `step` steps done, arrived at the next; before any cross-process sync, so a slow
+        # process shows up late here (stragglers) and a hung one not at all.
+        bootstrap.heartbeat(s.run.path, step)
+        state["params"] = inject.maybe_diverge(step, state["params"])
+        batch = device_batch(s, step)
+        # make_array_from_callback, not device_put: device_put checks that every process passes
+        # equal values, and NaN != NaN (it would also add a cross-process check to every step).
+        value = np.float32(inject.poison(step))
+        poison = jax.make_array_from_callback((), replicated, lambda _, v=value: v)
+        t0 = time.time()
+        state, m = compiled(state, batch, poison)
+        if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
+            state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
+        m = jax.device_get(m)
+        line = metrics_line(s, step + 1, m, time.time() - t0)
+        if not np.isfinite(line["loss"]):
+            s.run.event(W.NONFINITE, step=step + 1, loss=line["loss"])
+            raise NonFiniteLoss(step + 1, line["loss"])
+        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
+            s.run.metrics(line)
+            if s.tb:
+                s.tb.write(line)
+        rate = line.get("tokens_per_s") or line.get("samples_per_s")
+        bar.update(step + 1, line["loss"], rate, unit, loss_metrics(line))
+        if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):
+            _save(s, ckpt, state, step + 1)
+        if tier is not None:
+            tier.offer(step + 1, state)  # a copy off the device, written in the background
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+            ev = evaluate(s, state, step + 1)
+            shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k.startswith("eval_"))
+            bar.message(f"step {step + 1}: {shown}")
+    return max(start, cfg.train.steps)
+
+
+def supervised_layout(cfg: TrainConfig, preset: Preset) -> tuple[TrainConfig, Preset]:
+    """The mesh and microbatches `jaxpar launch` chose after an elastic shrink
+    (JAXPAR_MESH, JAXPAR_MICROBATCHES), over the command line's; the rules tables stay."""
+    mesh, micro = os.environ.get(bootstrap.ENV_MESH), os.environ.get(bootstrap.ENV_MICROBATCHES)
+    if mesh:
+        preset = dataclasses.replace(preset, mesh=MeshSpec.parse(mesh))
+    if micro:
+        train = dataclasses.replace(cfg.train, microbatches=int(micro))
+        cfg = dataclasses.replace(cfg, train=train)
+    return cfg, preset
+
+
+def with_overrides(cfg: TrainConfig, steps: int | None) -> TrainConfig:
+    if steps is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    return cfg

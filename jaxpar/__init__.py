@@ -114,6 +114,6 @@ if _TYPE_CHECKING:  # static type checkers and IDEs see the real names
         logical_to_spec,
     )
     from jaxpar.recovery.checkpoint import CheckpointMismatch, Preempted  # noqa: F401
-    from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter
+    from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter  # noqa: F401
     from jaxpar.worker.bootstrap import EXIT_PREEMPTED, heartbeat  # noqa: F401
     from jaxpar.worker.faults import NonFiniteLoss  # noqa: F401

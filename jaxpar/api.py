@@ -177,10 +177,12 @@ class CheckpointManager:
         from jaxpar.config import config_hash
         from jaxpar.recovery.checkpoint import Checkpointer
         from jaxpar.rundir.writer import RunDir
+        from jaxpar.worker import standby
 
         meta: dict[str, Any] = {"jaxpar_version": __version__, "nproc": jax.process_count()}
         if config is not None:
             meta["config_hash"] = config_hash(config)
+        standby.wait_for_go()  # a standby's entrypoint got here first: nothing written before "go"
         self.run = RunDir(run_dir, jax.process_index())
         self._ckpt = Checkpointer(self.run, every=0, keep=keep, meta=meta, use_async=use_async)
 

@@ -56,7 +56,7 @@ import psutil
 from jaxpar.bench.harness import Bench, table
 from jaxpar.rundir import runlog
 from jaxpar.rundir.goodput import ledger_of
-from jaxpar.rundir.runlog import PHASES, S, W, read_jsonl
+from jaxpar.rundir.runlog import PHASES, SupervisorEvent, WorkerEvent, read_jsonl
 
 DEVICES = 2  # CPU devices per process
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -154,7 +154,9 @@ class _Job:
         """PIDs of the current group's workers, from their progress heartbeats."""
         hb = os.path.join(self.run_dir, runlog.HEARTBEATS)
         events = read_jsonl(os.path.join(self.run_dir, runlog.EVENTS))
-        inc = max((e["incarnation"] for e in events if e.get("event") == W.START), default=None)
+        inc = max(
+            (e["incarnation"] for e in events if e.get("event") == WorkerEvent.START), default=None
+        )
         pids = []
         for name in sorted(os.listdir(hb)) if os.path.isdir(hb) else []:
             try:
@@ -185,7 +187,9 @@ class _StandbyMemory:
 
     def _sample(self) -> None:
         events = read_jsonl(os.path.join(self.job.run_dir, runlog.EVENTS))
-        running = max((e["incarnation"] for e in events if e.get("event") == W.START), default=0)
+        running = max(
+            (e["incarnation"] for e in events if e.get("event") == WorkerEvent.START), default=0
+        )
         workers = set(self.job.worker_pids())
         standby = group = 0
         for p in psutil.Process(self.job.proc.pid).children(recursive=True):
@@ -240,14 +244,20 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         "exit_code": code,
         "incidents": len(incidents),
         # how the restarted groups came up: from spares, and with compiled programs loaded
-        "warm_starts": sum(1 for e in restarted if e.get("event") == W.START and e.get("warm")),
+        "warm_starts": sum(
+            1 for e in restarted if e.get("event") == WorkerEvent.START and e.get("warm")
+        ),
         # how each restarted group was started: standby | spares | cold
         "paths": _restart_paths(events),
-        "cache_hits": sum(e.get("hits", 0) for e in restarted if e.get("event") == W.COMPILED),
-        "causes": [e.get("cause") for e in events if e.get("event") == S.FAILURE],
+        "cache_hits": sum(
+            e.get("hits", 0) for e in restarted if e.get("event") == WorkerEvent.COMPILED
+        ),
+        "causes": [e.get("cause") for e in events if e.get("event") == SupervisorEvent.FAILURE],
         "recovery_s": _median([i["recovery_s"] for i in incidents]),
         "recoveries_s": [i["recovery_s"] for i in incidents],
-        "restore_tiers": [e.get("tier") for e in restarted if e.get("event") == W.RESTORE],
+        "restore_tiers": [
+            e.get("tier") for e in restarted if e.get("event") == WorkerEvent.RESTORE
+        ],
         "lost_steps": _median(lost),
         "lost_steps_each": lost,
         **rss,  # standby paths: the waiting standby group's and the running group's peak RSS
@@ -266,7 +276,7 @@ def _lost_steps(run_dir: str, events: list[dict]) -> list[int]:
             newest[inc] = max(newest.get(inc, 0), int(m["step"]))
     out = []
     for e in events:
-        if e.get("event") == W.RESTORE and e.get("incarnation", 0) > 0:
+        if e.get("event") == WorkerEvent.RESTORE and e.get("incarnation", 0) > 0:
             out.append(newest.get(e["incarnation"] - 1, 0) - int(e["step"]))
     return out
 
@@ -309,7 +319,7 @@ def measure_goodput(
         job.close()
     s = job.summary()
     events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
-    t_launch = next(e["time"] for e in events if e.get("event") == S.LAUNCH)
+    t_launch = next(e["time"] for e in events if e.get("event") == SupervisorEvent.LAUNCH)
     startup = t_first - t_launch
     productive = (s["goodput"] or 0.0) * s["wall_s"]
     return {
@@ -333,7 +343,7 @@ def measure_goodput(
 def _restart_paths(events: list[dict]) -> list:
     """standby | spares | cold for each restarted group (after the first start)."""
     return [e.get("path") for e in events
-            if e.get("event") == S.GROUP_STARTED and e.get("incarnation", 0) > 0]  # fmt: skip
+            if e.get("event") == SupervisorEvent.GROUP_STARTED and e.get("incarnation", 0) > 0]  # fmt: skip
 
 
 def _paths(paths: list) -> str:

@@ -40,14 +40,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from jaxpar.engine.mesh import REPLICA_AXES
-from jaxpar.recovery import orbax_loop, save_watch
+from jaxpar.recovery import compile_cache, orbax_loop, save_watch
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import W, write_json
+from jaxpar.rundir.runlog import WorkerEvent, write_json
 from jaxpar.rundir.writer import RunDir
-from jaxpar.worker import compile_cache
-from jaxpar.worker.bootstrap import (
-    EXIT_PREEMPTED as EXIT_PREEMPTED,  # the exit after a preemption save
-)
 
 TMP_SUFFIX = runlog.TMP_SUFFIX  # orbax's uncommitted-step suffix
 CORRUPT_SUFFIX = ".corrupt"  # a damaged checkpoint is renamed aside, never deleted
@@ -429,11 +425,11 @@ class Checkpointer:
         if step in self._own_steps:
             return 0.0  # already committed from this very state (restored, or a final re-save)
         t0 = time.time()
-        self.run.event(W.SAVE_BEGIN, step=step)
+        self.run.event(WorkerEvent.SAVE_BEGIN, step=step)
         self.wait()  # one save in flight: a slow previous one blocks too
         if step in self.manager.all_steps():  # left by a run restored from an older step
             self.manager.delete(step)
-            self.run.event(W.CHECKPOINT_REPLACED, step=step)
+            self.run.event(WorkerEvent.CHECKPOINT_REPLACED, step=step)
         self._check_space(state)
         hashes = _hashes(state)  # dispatched (or done by the replica check); read in _pre_commit
         meta = {**self.meta, "step": step, "data_position": step, "time": time.time()}
@@ -447,7 +443,9 @@ class Checkpointer:
             self.wait()
         blocked = time.time() - t0
         self._own_steps.add(step)
-        self.run.event(W.SAVE_END, step=step, blocking_s=blocked, use_async=self.use_async)
+        self.run.event(
+            WorkerEvent.SAVE_END, step=step, blocking_s=blocked, use_async=self.use_async
+        )
         return blocked
 
     def _check_space(self, state: dict) -> None:
@@ -548,7 +546,7 @@ class Checkpointer:
         (state, meta), or None when there is none or `which` is "none".
         """
         if self.uncommitted:
-            self.run.event(W.UNCOMMITTED_IGNORED, dirs=self.uncommitted)
+            self.run.event(WorkerEvent.UNCOMMITTED_IGNORED, dirs=self.uncommitted)
         if which == "none":
             return None
         steps = restore_candidates(which, self.committed_steps(), self.directory)
@@ -567,7 +565,7 @@ class Checkpointer:
                 f"use ckpt.restore=latest to fall back to an older one"
             )
         if skipped:
-            self.run.event(W.NO_GOOD_CHECKPOINT, skipped=skipped)
+            self.run.event(WorkerEvent.NO_GOOD_CHECKPOINT, skipped=skipped)
             if self.run.is_writer:
                 say(f"every checkpoint is corrupt (steps {skipped}), starting from step 0")
         return None
@@ -601,7 +599,7 @@ class Checkpointer:
         return state, meta
 
     def _reject(self, step: int, reason: str, **fields) -> None:
-        self.run.event(W.CHECKPOINT_CORRUPT, step=step, reason=reason[:500], **fields)
+        self.run.event(WorkerEvent.CHECKPOINT_CORRUPT, step=step, reason=reason[:500], **fields)
         if self.run.is_writer:
             src = os.path.join(self.directory, str(step))
             dst = f"{src}{CORRUPT_SUFFIX}-{int(time.time())}"
@@ -623,7 +621,9 @@ class Checkpointer:
             raise CheckpointMismatch(
                 mismatch_message(self.directory, meta, self.meta, self.meta.get("config"))
             )
-        self.run.event(W.RESTORE_FORCED, step=meta.get("step"), from_config=have, to_config=want)
+        self.run.event(
+            WorkerEvent.RESTORE_FORCED, step=meta.get("step"), from_config=have, to_config=want
+        )
         return True
 
 

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.recovery import local_tier_clean, peer_tier
+from jaxpar.recovery import compile_cache, local_tier_clean, peer_tier
 from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLOTS: the tier's file layout
     DATA,
     MARKER,
@@ -70,9 +70,8 @@ from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLO
     read_marker,
     write_data,
 )
-from jaxpar.rundir.runlog import W
+from jaxpar.rundir.runlog import WorkerEvent
 from jaxpar.rundir.writer import RunDir
-from jaxpar.worker import compile_cache
 
 AUTO_BYTES = 256 * 2**20  # per process: above this, snapshot every ceil(bytes / AUTO_BYTES)
 ENV_LOCAL_DIR = "JAXPAR_LOCAL_DIR"
@@ -217,7 +216,7 @@ class LocalTier:
         # stale folders of this node go first; the run directory's identity binds every snapshot
         ident, removed = local_tier_clean.prepare(root, self.node, run.path, self.nproc)
         if removed:
-            run.event(W.LOCAL_TIER_CLEANED, all_processes=True, removed=removed[:20],
+            run.event(WorkerEvent.LOCAL_TIER_CLEANED, all_processes=True, removed=removed[:20],
                       count=len(removed))  # fmt: skip
         self.binding = {**binding, "format": FORMAT, "run": run_key(run.path), "layout": digest,
                         "nproc": self.nproc, "process": self.process, "run_id": ident}  # fmt: skip
@@ -308,7 +307,9 @@ class LocalTier:
                 return
             except Exception as e:  # noqa: BLE001 - the tier turns off; training goes on
                 self.error = f"{type(e).__name__}: {e}"[:500]
-                self.run.event(W.SNAPSHOT_ERROR, all_processes=True, step=step, error=self.error)
+                self.run.event(
+                    WorkerEvent.SNAPSHOT_ERROR, all_processes=True, step=step, error=self.error
+                )
             finally:
                 del tree, item
                 self.stats.write_s += time.time() - t0
@@ -410,10 +411,10 @@ class LocalTier:
             if why is None:
                 out[marker["step"]] = k
             else:
-                self.run.event(W.SNAPSHOT_REJECTED, all_processes=True, step=marker["step"],
+                self.run.event(WorkerEvent.SNAPSHOT_REJECTED, all_processes=True, step=marker["step"],
                                tier="local", reason=why)  # fmt: skip
         for k in self.own.torn():
-            self.run.event(W.SNAPSHOT_TORN, all_processes=True, slot=k, tier="local")
+            self.run.event(WorkerEvent.SNAPSHOT_TORN, all_processes=True, slot=k, tier="local")
         return out
 
     def node_index(self) -> int:
@@ -447,7 +448,7 @@ class LocalTier:
                         "skipped": skipped}  # fmt: skip
                 return got, info
             bad = {q: r["why"] for q, r in enumerate(results) if not r["ok"]}
-            self.run.event(W.SNAPSHOT_REJECTED, step=step, tier="local", processes=bad)
+            self.run.event(WorkerEvent.SNAPSHOT_REJECTED, step=step, tier="local", processes=bad)
             skipped.append(step)
         incomplete = sorted((s for s in offered(offers, self.nproc) - set(steps) if s >= floor),
                             reverse=True)  # fmt: skip

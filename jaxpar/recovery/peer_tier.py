@@ -26,7 +26,7 @@ import threading
 import time
 
 from jaxpar.recovery import local_tier_store as snap
-from jaxpar.rundir.runlog import W
+from jaxpar.rundir.runlog import WorkerEvent
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 IO_TIMEOUT_S = 120.0
@@ -237,7 +237,7 @@ class Peers:
             self._drop_conn()
             if not self._failed:
                 self._failed = True
-                self.tier.run.event(W.PEER_REPLICATION_FAILED, all_processes=True,
+                self.tier.run.event(WorkerEvent.PEER_REPLICATION_FAILED, all_processes=True,
                                     step=marker["step"], peer=self.dest, error=str(e)[:300])  # fmt: skip
 
     # -- restoring ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import ENDING_FAULTS, S, W  # noqa: F401  (ENDING_FAULTS: the supervisor's)
+from jaxpar.rundir.runlog import ENDING_FAULTS, SupervisorEvent, WorkerEvent  # noqa: F401  (ENDING_FAULTS: the supervisor's)
 from jaxpar.rundir.writer import RunDir, summarize
 
 
@@ -42,10 +42,17 @@ def time_lost(events: list[dict], metrics: list[dict], incs: list[dict]) -> dict
         spent = (inc["recovery_s"] or 0.0) + inc["lost_step_time_s"]
         out[inc["cause"]] = out.get(inc["cause"], 0.0) + spent
     steps = [m for m in metrics if "loss" in m and "time" in m]
-    begin = next((e for e in events if e.get("event") in (S.LAUNCH, S.GROUP_STARTED)), None)
+    begin = next(
+        (
+            e
+            for e in events
+            if e.get("event") in (SupervisorEvent.LAUNCH, SupervisorEvent.GROUP_STARTED)
+        ),
+        None,
+    )
     if begin is not None and steps:
         out["startup"] = max(0.0, steps[0]["time"] - begin["time"])
-    blocking = [e.get("blocking_s", 0.0) for e in events if e.get("event") == W.SAVE_END]
+    blocking = [e.get("blocking_s", 0.0) for e in events if e.get("event") == WorkerEvent.SAVE_END]
     if blocking:
         out["checkpoint_blocking"] = float(sum(blocking))
     return out
@@ -60,7 +67,7 @@ def summarize_run(
     timeline's (launch -> end), the denominator of goodput in the summary and the report alike.
     """
     run = RunDir(run_dir)
-    run.event(S.ENDED, status=status, wall_s=wall_s)
+    run.event(SupervisorEvent.ENDED, status=status, wall_s=wall_s)
     events, metrics = runlog.read_run(run.path)
     out = summarize(run, wall_s, restarts)
     out.update(job_wall_s=wall_s, status=status, incidents=[])

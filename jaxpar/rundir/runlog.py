@@ -115,8 +115,6 @@ class SupervisorEvent:
     DETECTIONS = (FAILURE, PREEMPTION)  # the supervisor noticed an incarnation ending
 
 
-W, S = WorkerEvent, SupervisorEvent
-
 # Injected faults that end an incarnation (slow, diverge and corrupt do not, by themselves).
 ENDING_FAULTS = ("kill", "hang", "sigterm", "nan", "killsave", "killsnap", "losthost")
 
@@ -342,14 +340,14 @@ class Incarnation:
         return next((e for e in reversed(self.events) if e["event"] == name), None)
 
     def ending_fault(self) -> dict | None:
-        kinds = [e for e in self.events if e["event"] == W.FAULT_INJECTED]
+        kinds = [e for e in self.events if e["event"] == WorkerEvent.FAULT_INJECTED]
         return next((e for e in reversed(kinds) if e.get("kind") in ENDING_FAULTS), None)
 
     def phases(self) -> list[tuple[float, float, str]]:
         """start -> restore (`restore`), then -> `compiled` (`compile`): the step compiles while
         the checkpoint is read, so compile counts only what the restore did not hide."""
         out, t = [], self.start
-        restore, compiled = self.first(W.RESTORE), self.first(W.COMPILED)
+        restore, compiled = self.first(WorkerEvent.RESTORE), self.first(WorkerEvent.COMPILED)
         if restore is not None:
             out.append((t, restore["time"], "restore"))
             t = restore["time"]
@@ -417,7 +415,7 @@ class Timeline:
 def _incarnations(events: list[dict], lines: list[dict]) -> list[Incarnation]:
     incs: dict[int, Incarnation] = {}
     for e in events:
-        if e.get("event") == W.START and e.get("incarnation", 0) not in incs:
+        if e.get("event") == WorkerEvent.START and e.get("incarnation", 0) not in incs:
             incs[e.get("incarnation", 0)] = Incarnation(e.get("incarnation", 0), e["time"])
     for line in lines:  # lines of an incarnation whose start event is missing (older writers)
         k = line.get("incarnation", 0)
@@ -425,7 +423,7 @@ def _incarnations(events: list[dict], lines: list[dict]) -> list[Incarnation]:
             incs[k] = Incarnation(k, line["time"] - line.get("step_time_s", 0.0))
     for e in events:
         inc = incs.get(e.get("incarnation", 0))
-        if inc is not None and e.get("event") not in S.ALL:
+        if inc is not None and e.get("event") not in SupervisorEvent.ALL:
             inc.events.append(e)
             inc.end = max(inc.end, e["time"])
     for line in lines:
@@ -473,11 +471,16 @@ def _cause(prev: Incarnation | None, det: dict | None, since: float) -> tuple[fl
         if det.get("code") is not None:
             what += f" (code {det['code']})"
         return det["time"] - det.get("stale_s", 0.0), f"{det['event']}: {what}"
-    for name in (W.PREEMPTED, W.NONFINITE, W.REPLICA_MISMATCH, W.WALL_TIME_LIMIT):
+    for name in (
+        WorkerEvent.PREEMPTED,
+        WorkerEvent.NONFINITE,
+        WorkerEvent.REPLICA_MISMATCH,
+        WorkerEvent.WALL_TIME_LIMIT,
+    ):
         e = prev.last(name) if prev is not None else None
         if e:
             return e["time"], f"{name} at step {e.get('step')}"
-    if prev is not None and prev.last(W.DONE):
+    if prev is not None and prev.last(WorkerEvent.DONE):
         return None, "rerun after a finished run"
     return None, "rerun (no failure recorded)"
 
@@ -491,8 +494,8 @@ def _incidents(
     incs: list[Incarnation], events: list[dict], lines: list[dict], per_step: dict
 ) -> list[Incident]:
     """One incident per supervisor detection, plus one per restart no detection explains."""
-    dets = [e for e in events if e.get("event") in S.DETECTIONS]
-    shrinks = [e for e in events if e.get("event") == S.SHRINK]
+    dets = [e for e in events if e.get("event") in SupervisorEvent.DETECTIONS]
+    shrinks = [e for e in events if e.get("event") == SupervisorEvent.SHRINK]
     lost_ids = _superseded(lines, per_step)
     steps = [m for m in lines if "loss" in m and "time" in m]
     out: list[Incident] = []
@@ -501,15 +504,15 @@ def _incidents(
     for k, det in enumerate(dets):
         until = dets[k + 1]["time"] if k + 1 < len(dets) else None
         prev = _owner(incs, det["time"])
-        group = _first(events, S.GROUP_STARTED, det["time"], until)
+        group = _first(events, SupervisorEvent.GROUP_STARTED, det["time"], until)
         nxt = next((i for i in incs if i.start >= det["time"]
                     and (until is None or i.start < until)), None)  # fmt: skip
         inc = _incident(prev, nxt, det, prev_t, shrinks, steps)
-        stopped = _first(events, S.SURVIVORS_STOPPED, det["time"], until)
+        stopped = _first(events, SupervisorEvent.SURVIVORS_STOPPED, det["time"], until)
         t_cause = det["time"] - inc.phases.get("detect_s", 0.0)
         start = {"time": nxt.start} if nxt else None
-        restore = nxt.first(W.RESTORE) if nxt else None
-        compiled = nxt.first(W.COMPILED) if nxt else None
+        restore = nxt.first(WorkerEvent.RESTORE) if nxt else None
+        compiled = nxt.first(WorkerEvent.COMPILED) if nxt else None
         first = _first_step(steps, nxt)
         inc.phases = {
             "detect_s": det["time"] - t_cause,
@@ -556,7 +559,11 @@ def _incident(
     fault = prev.ending_fault() if prev is not None else None
     done = [int(x["step"]) for x in prev.train] if prev is not None else []
     if det is not None:
-        cause = det.get("cause", "preempted") if det["event"] == S.FAILURE else "preempted"
+        cause = (
+            det.get("cause", "preempted")
+            if det["event"] == SupervisorEvent.FAILURE
+            else "preempted"
+        )
     else:
         cause = description.split(" ")[0].removesuffix(":")
     inc = Incident(
@@ -573,7 +580,7 @@ def _incident(
     if det is not None and t_cause is not None:
         inc.phases["detect_s"] = det["time"] - t_cause
     if nxt is not None:
-        restore = nxt.first(W.RESTORE)
+        restore = nxt.first(WorkerEvent.RESTORE)
         inc.restored = restore is not None
         inc.resumed_from = int(restore["step"]) if restore else 0
         lo = prev.start if prev is not None else since
@@ -603,9 +610,9 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
     teardown up to its `ended` event counts as other. Goodput = productive / wall-clock.
     """
     winners = {id(v) for v in per_step.values()}
-    dets = [e for e in events if e.get("event") in S.DETECTIONS]
-    launches = [e for e in events if e.get("event") == S.LAUNCH]
-    ends = [e for e in events if e.get("event") == S.ENDED]
+    dets = [e for e in events if e.get("event") in SupervisorEvent.DETECTIONS]
+    launches = [e for e in events if e.get("event") == SupervisorEvent.LAUNCH]
+    ends = [e for e in events if e.get("event") == SupervisorEvent.ENDED]
     intervals: list[tuple[int, float, float, str]] = []
     other = 0.0  # within incarnations: drawn as their background, not as intervals
     t0 = min([incs[0].start] + [e["time"] for e in launches[:1]])
@@ -627,7 +634,7 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
     for i, inc in enumerate(incs):
         prev = incs[i - 1] if i else None
         ended = prev is not None and teardown(prev, inc.start)  # then idle until a new launch
-        idle = prev is None or ended or (prev.last(W.DONE) and not prev.ending_fault())
+        idle = prev is None or ended or (prev.last(WorkerEvent.DONE) and not prev.ending_fault())
         if idle:  # the first start, or one after a clean end or a job's end: start-up from launch
             lo = prev.end if prev else -float("inf")
             launch = next((e for e in launches if lo <= e["time"] <= inc.start), None)
@@ -645,7 +652,7 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
             for x in inc.train
         ]  # fmt: skip
         own += [(e["time"] - e["blocking_s"], e["time"], "checkpoint")
-                for e in inc.events if e["event"] == W.SAVE_END and e.get("blocking_s")]  # fmt: skip
+                for e in inc.events if e["event"] == WorkerEvent.SAVE_END and e.get("blocking_s")]  # fmt: skip
         for a, b, c in own:
             add(inc.index, a, b, c)
         other += max(0.0, inc.end - inc.start - sum(max(0.0, b - a) for a, b, _ in own))
@@ -659,17 +666,23 @@ def _accounting(incs: list[Incarnation], per_step: dict, events: list[dict]):
 
 def _status(incs: list[Incarnation], events: list[dict]) -> tuple[str, str]:
     last_inc = incs[-1]
-    ended = [e for e in events if e.get("event") == S.ENDED and e["time"] >= last_inc.start]
-    gave_up = [e for e in events if e.get("event") == S.GAVE_UP and e["time"] >= last_inc.start]
+    ended = [
+        e for e in events if e.get("event") == SupervisorEvent.ENDED and e["time"] >= last_inc.start
+    ]
+    gave_up = [
+        e
+        for e in events
+        if e.get("event") == SupervisorEvent.GAVE_UP and e["time"] >= last_inc.start
+    ]
     if ended:
         why = gave_up[-1].get("reason", "") if gave_up else ""
         return ended[-1].get("status", "?"), why
     if gave_up:
-        return S.GAVE_UP, gave_up[-1].get("reason", "?")
-    done = last_inc.last(W.DONE)
+        return SupervisorEvent.GAVE_UP, gave_up[-1].get("reason", "?")
+    done = last_inc.last(WorkerEvent.DONE)
     if done and done.get("complete", True):
         return "completed", ""
-    if last_inc.last(W.PREEMPTED):
+    if last_inc.last(WorkerEvent.PREEMPTED):
         return "preempted", ""
     age = time.time() - last_inc.end
     return "in progress", f"or stopped without finishing (newest record {age:.0f} s ago)"

@@ -17,11 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import (
-    append_line,
-    last_per_step,
-    read_jsonl,
-)
+from jaxpar.rundir.runlog import append_line, last_per_step, read_jsonl
 
 # Peak dense bf16 FLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
 PEAK_FLOPS: dict[str, float] = {
@@ -76,10 +72,8 @@ class RunDir:
         self.incarnation = self.count_starts() if incarnation is None else incarnation
 
     def create(self) -> None:
-        """Make the directory; the incarnation is counted again (under the run's lock)."""
-        from jaxpar.worker import standby
-
-        standby.wait_for_go()  # a standby worker whose own loop got here first: wait for "go"
+        """Make the directory; the incarnation is counted again (under the run's lock). Never
+        waits: a standby worker waits for its "go" before it creates one."""
         os.makedirs(self.path, exist_ok=True)
         if self._incarnation is None:
             self.incarnation = self.count_starts()
@@ -102,7 +96,9 @@ class RunDir:
 
     def count_starts(self) -> int:
         return sum(
-            1 for e in read_jsonl(self.file(runlog.EVENTS)) if e.get("event") == runlog.W.START
+            1
+            for e in read_jsonl(self.file(runlog.EVENTS))
+            if e.get("event") == runlog.WorkerEvent.START
         )
 
     def event(self, event: str, *, all_processes: bool = False, **fields: Any) -> None:

@@ -182,7 +182,7 @@ class LocalGroup:
         """Once this group has started (its `start` event: every worker has imported, joined
         jax.distributed and built its program), start one spare per local rank for the next
         group — so spares do not compete with the group's own start-up, yet are ready early."""
-        if not self.spares_due or self.spec is None or runlog.W.START not in self.seen:
+        if not self.spares_due or self.spec is None or runlog.WorkerEvent.START not in self.seen:
             return
         self.spares_due = False
         module = spare_lib.module_of(self.opts.command)
@@ -218,7 +218,7 @@ class LocalGroup:
         which after a failure is part of the recovery."""
         if not (self.standby_due and self.stepping and self.spec is not None):
             return
-        if runlog.W.COMPILED not in self.seen:
+        if runlog.WorkerEvent.COMPILED not in self.seen:
             return
         self.standby_due = False
         self.release_standby()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import S
+from jaxpar.rundir.runlog import SupervisorEvent
+from jaxpar.supervisor.job import JobState
 from jaxpar.supervisor.monitor import Monitor, drop_empty_stack_files, stack_files
 from jaxpar.supervisor.options import free_port, join_address, say
 from jaxpar.supervisor.policy import (
@@ -23,52 +24,49 @@ from jaxpar.supervisor.policy import (
 )
 from jaxpar.worker import bootstrap
 
-if TYPE_CHECKING:
-    from jaxpar.supervisor.loop import Supervisor
-
 HB_EVERY_S = 0.25  # heartbeat files are read this often; exits wake the loop at once
 
 
 class Incarnation:
     """One group of workers on every node, from spawn to stopped survivors."""
 
-    def __init__(self, sv: Supervisor):
-        self.sv = sv
+    def __init__(self, job: JobState):
+        self.job = job
 
     def run(self, nproc: int) -> Outcome:
-        host = self.sv.opts.host if self.sv.opts.nnodes > 1 else "127.0.0.1"
-        port = free_port(self.sv.opts.bind)
+        host = self.job.opts.host if self.job.opts.nnodes > 1 else "127.0.0.1"
+        port = free_port(self.job.opts.bind)
         coordinator = join_address(host, port)
-        bind = join_address(self.sv.opts.bind, port)
-        hang, startup, coll = self.sv._timeouts()
-        mon = Monitor(self.sv.run_dir, nproc, self.sv.incarnation, self.sv.faults_seen)
+        bind = join_address(self.job.opts.bind, port)
+        hang, startup, coll = self.job.timeouts()
+        mon = Monitor(self.job.run_dir, nproc, self.job.incarnation, self.job.faults_seen)
         specs = []
-        for n in range(len(self.sv.nodes)):
-            ids = [pid for pid, (nn, _) in enumerate(self.sv.slots) if nn == n]
-            specs.append({"incarnation": self.sv.incarnation, "coordinator": coordinator,
+        for n in range(len(self.job.nodes)):
+            ids = [pid for pid, (nn, _) in enumerate(self.job.slots) if nn == n]
+            specs.append({"incarnation": self.job.incarnation, "coordinator": coordinator,
                           "bind": bind, "nproc": nproc, "process_ids": ids,
-                          "attempt": self.sv.restarts, "faults": self.sv.opts.faults,
-                          "collective_timeout": coll, "layout": self.sv.layout,
-                          "run_lock": self.sv.lock.token})  # fmt: skip
+                          "attempt": self.job.restarts, "faults": self.job.opts.faults,
+                          "collective_timeout": coll, "layout": self.job.layout,
+                          "run_lock": self.job.lock.token})  # fmt: skip
         path, why = self._restart_path(specs[0])
         if path == "standby":  # the standby group already runs its own jax coordinator
-            sb = self.sv.nodes[0].group.standby_spec() or {}
+            sb = self.job.nodes[0].group.standby_spec() or {}
             coordinator, bind = sb["coordinator"], sb["bind"]
             specs[0].update(coordinator=coordinator, bind=bind, standby=True)
-        self.sv.event(S.GROUP_STARTED, nproc=nproc, coordinator=coordinator, attempt=self.sv.restarts,
-                   hang_timeout_s=self.sv.opts.hang_timeout, startup_timeout_s=startup,
+        self.job.event(SupervisorEvent.GROUP_STARTED, nproc=nproc, coordinator=coordinator, attempt=self.job.restarts,
+                   hang_timeout_s=self.job.opts.hang_timeout, startup_timeout_s=startup,
                    collective_timeout_s=coll, path=path,
                    **({"standby_unused": why} if why else {}))  # fmt: skip
         t_spawn = time.time()
-        for node, spec in zip(self.sv.nodes, specs, strict=True):
+        for node, spec in zip(self.job.nodes, specs, strict=True):
             node.start(spec)
         say(
-            f"incarnation {self.sv.incarnation}: {nproc} processes started, coordinator {coordinator}"
+            f"incarnation {self.job.incarnation}: {nproc} processes started, coordinator {coordinator}"
         )
         out = self._watch(nproc, mon, t_spawn, hang, startup)
         if mon.hb.stepping_since is not None:  # the slowest start-up so far sets the next timeout
             measured = mon.hb.stepping_since - t_spawn
-            self.sv.startup_measured = max(self.sv.startup_measured or 0.0, measured)
+            self.job.startup_measured = max(self.job.startup_measured or 0.0, measured)
         if out.kind in ("failure", "preempted"):
             self._record(out)
         self._stop_group(out)
@@ -76,18 +74,20 @@ class Incarnation:
 
     def _restart_path(self, want: dict) -> tuple[str, str]:
         """standby | spares | cold for the group about to start, and why not the standby."""
-        group = self.sv.nodes[0].group
-        if self.sv.incarnation == 0 and group.standby is None:
+        group = self.job.nodes[0].group
+        if self.job.incarnation == 0 and group.standby is None:
             return ("spares" if group.spares else "cold"), ""  # the job's first start
         return restart_path(
-            enabled=self.sv.opts.standby, nnodes=len(self.sv.nodes), standby=group.standby_spec(),
+            enabled=self.job.opts.standby, nnodes=len(self.job.nodes), standby=group.standby_spec(),
             ready=group.standby_ready(), want=want,
             spares=bool(group.spares) and len(group.spares) >= len(want["process_ids"]),
         )  # fmt: skip
 
     def _record(self, out: Outcome) -> None:
         if out.kind == "preempted":
-            self.sv.event(S.PREEMPTION, process=out.process, code=out.code, step=out.step)
+            self.job.event(
+                SupervisorEvent.PREEMPTION, process=out.process, code=out.code, step=out.step
+            )
             return
         fields: dict[str, Any] = {"cause": out.cause, "process": out.process, "code": out.code,
                                   "step": out.step}  # fmt: skip
@@ -96,10 +96,10 @@ class Incarnation:
         for name in ("detail", "lost", "exits", "stale_s"):
             if getattr(out, name) not in (None, "", []):
                 fields[name] = getattr(out, name)
-        self.sv.event(S.FAILURE, **fields)
+        self.job.event(SupervisorEvent.FAILURE, **fields)
         where = f" at step {out.step}" if out.step is not None else " during start-up"
-        injected = [e.get("spec") for e in self.sv.faults_seen
-                    if e.get("incarnation") == self.sv.incarnation
+        injected = [e.get("spec") for e in self.job.faults_seen
+                    if e.get("incarnation") == self.job.incarnation
                     and e.get("kind") in runlog.ENDING_FAULTS]  # fmt: skip
         why = f" — injected fault {injected[-1]}" if injected else ""
         say(f"failure{where}: {out.cause} of process {out.process} (code {out.code}) "
@@ -115,43 +115,43 @@ class Incarnation:
             say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
 
     def _log_of(self, pid: int | None) -> str | None:
-        if pid is None or pid >= len(self.sv.slots):
+        if pid is None or pid >= len(self.job.slots):
             return None
-        return self.sv.nodes[self.sv.slots[pid][0]].log_of(pid)
+        return self.job.nodes[self.job.slots[pid][0]].log_of(pid)
 
     def _stop_group(self, out: Outcome) -> None:
         t = time.time()
         if out.cause == "hang":
-            for node in self.sv.nodes:
+            for node in self.job.nodes:
                 node.signal(signal.SIGCONT)  # a stopped worker cannot dump (nor die of SIGTERM)
                 node.signal(signal.SIGUSR1)
             deadline = time.time() + 2.0  # faulthandler writes at once; files may be remote
             while (
-                len(stack_files(self.sv.run_dir, self.sv.incarnation)) < len(self.sv.slots)
+                len(stack_files(self.job.run_dir, self.job.incarnation)) < len(self.job.slots)
                 and time.time() < deadline
             ):
                 time.sleep(0.05)
             time.sleep(0.1)  # let the last one finish writing
-            files = stack_files(self.sv.run_dir, self.sv.incarnation)
-            self.sv.event(S.STACKS_DUMPED, process=out.process, files=files)
+            files = stack_files(self.job.run_dir, self.job.incarnation)
+            self.job.event(SupervisorEvent.STACKS_DUMPED, process=out.process, files=files)
             say(f"stacks of every worker dumped to {', '.join(files) or '(none)'}")
         # A failed group's survivors cannot finish a collective without the lost peer (a SIGTERM
         # would only start a preemption save that cannot complete): kill them at once.
-        grace = {"done": 30.0, "failure": 0.0}.get(out.kind, self.sv.opts.grace_s)
-        for node in reversed(self.sv.nodes):  # remote agents first: they stop in parallel
+        grace = {"done": 30.0, "failure": 0.0}.get(out.kind, self.job.opts.grace_s)
+        for node in reversed(self.job.nodes):  # remote agents first: they stop in parallel
             node.request_stop(grace)
-        stopped = [node.wait_stopped() for node in self.sv.nodes]
-        drop_empty_stack_files(self.sv.run_dir)
+        stopped = [node.wait_stopped() for node in self.job.nodes]
+        drop_empty_stack_files(self.job.run_dir)
         if out.kind == "done":
             return
-        self.sv.event(S.SURVIVORS_STOPPED, seconds=time.time() - t,
+        self.job.event(SupervisorEvent.SURVIVORS_STOPPED, seconds=time.time() - t,
                    terminated=sum(s.get("terminated", 0) for s in stopped),
                    killed=sum(s.get("killed", 0) for s in stopped))  # fmt: skip
 
     def _stopped(self) -> list[int]:
         """Process ids of workers seen stopped (SIGSTOP) on any host, in order."""
         return sorted(
-            {p for node in self.sv.nodes for p in node.stopped()} & set(range(len(self.sv.slots)))
+            {p for node in self.job.nodes for p in node.stopped()} & set(range(len(self.job.slots)))
         )
 
     def _watch(self, nproc: int, mon: Monitor, t_spawn: float, hang: float, startup: float):
@@ -162,11 +162,11 @@ class Incarnation:
         next_hb = next_status = 0.0
         while True:
             now = time.time()
-            if self.sv.stop_request is not None:
+            if self.job.stop_request is not None:
                 return self._honour_signal(nproc, exits)
-            for n, node in enumerate(self.sv.nodes):
+            for n, node in enumerate(self.job.nodes):
                 exits += node.poll()
-                gone = [p for p, (nn, _) in enumerate(self.sv.slots) if nn == n]
+                gone = [p for p, (nn, _) in enumerate(self.job.slots) if nn == n]
                 if node.lost and gone:
                     return Outcome("failure", "exit", gone[0], None, mon.failed_step(), gone,
                                    f"agent of node {n} lost", hb.max_step())  # fmt: skip
@@ -176,7 +176,7 @@ class Incarnation:
                 next_hb = now + HB_EVERY_S
                 self._stragglers(hb, reported)
                 if hb.stepping_since is not None:
-                    for node in self.sv.nodes:
+                    for node in self.job.nodes:
                         node.group_stepping()
             codes = dict(exits)
             bad = [(p, c) for p, c in exits if c != 0]
@@ -187,9 +187,9 @@ class Incarnation:
                 preempt = all(c == bootstrap.EXIT_PREEMPTED for _, c in bad)
                 # wait briefly for the root cause only if all we have are its consequences
                 root_seen = any(secondary(c) == 0 for _, c in bad)
-                settle = self.sv.opts.preempt_grace_s if preempt else (0.0 if root_seen else 0.3)
+                settle = self.job.opts.preempt_grace_s if preempt else (0.0 if root_seen else 0.3)
                 if len(codes) < nproc and now - first_bad < settle:
-                    self.sv.waker.wait(min(settle - (now - first_bad), HB_EVERY_S))
+                    self.job.waker.wait(min(settle - (now - first_bad), HB_EVERY_S))
                     continue
                 hb.update(time.time())
                 mon.read_events(now)
@@ -205,24 +205,24 @@ class Incarnation:
                     return Outcome("failure", "hang", p, None, mon.failed_step(),
                                    detail="did not exit after the last step")  # fmt: skip
             else:
-                auto = self.sv.opts.hang_timeout is None
+                auto = self.job.opts.hang_timeout is None
                 out = mon.hang(now, t_spawn, hang, startup, auto, self._stopped())
                 if out is not None:
                     return out
             if now >= next_status:
                 if next_status and hb.max_step() is not None:
                     st = hb.step_time()
-                    say(f"incarnation {self.sv.incarnation}: step {hb.max_step()}"
+                    say(f"incarnation {self.job.incarnation}: step {hb.max_step()}"
                         + (f", {st:.2f}s/step" if st else ""))  # fmt: skip
-                next_status = now + self.sv.opts.status_every_s
-            self.sv.waker.wait(max(0.0, next_hb - time.time()))
+                next_status = now + self.job.opts.status_every_s
+            self.job.waker.wait(max(0.0, next_hb - time.time()))
 
     def _stragglers(self, hb, reported: set[int]) -> None:
-        for s in find_stragglers(hb.recent, self.sv.opts.straggler_factor):
+        for s in find_stragglers(hb.recent, self.job.opts.straggler_factor):
             if s["process"] in reported:
                 continue
             reported.add(s["process"])
-            self.sv.event(S.STRAGGLER, **s)
+            self.job.event(SupervisorEvent.STRAGGLER, **s)
             factor = f"{s['factor']:.1f}x" if s["factor"] is not None else "many times"
             say(
                 f"straggler: process {s['process']} reaches each step {s['lag_s']:.2f}s after the "
@@ -230,16 +230,16 @@ class Incarnation:
             )
 
     def _honour_signal(self, nproc: int, exits: list[tuple[int, int]]) -> Outcome:
-        sig = self.sv.stop_request
+        sig = self.job.stop_request
         if sig == signal.SIGTERM:
             say("SIGTERM: passing the preemption notice to the workers (they save and exit)")
-            for node in self.sv.nodes:
+            for node in self.job.nodes:
                 node.signal(signal.SIGTERM)
-            deadline = time.time() + self.sv.opts.preempt_grace_s
+            deadline = time.time() + self.job.opts.preempt_grace_s
             while len(dict(exits)) < nproc and time.time() < deadline:
-                for node in self.sv.nodes:
+                for node in self.job.nodes:
                     exits += node.poll()
-                self.sv.waker.wait(self.sv.opts.poll_s)
+                self.job.waker.wait(self.job.opts.poll_s)
             return Outcome("stopped", "preempted", code=bootstrap.EXIT_PREEMPTED)
         say("interrupted: stopping the workers")
         return Outcome("stopped", "interrupted", code=130)

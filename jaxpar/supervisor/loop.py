@@ -13,48 +13,25 @@ import os
 import shlex
 import signal
 import time
-from typing import Any
 
 from jaxpar.engine.mesh import mesh_text
 from jaxpar.rundir import ownership, runlog
-from jaxpar.rundir.runlog import S, W, append_line, read_jsonl, write_json
+from jaxpar.rundir.runlog import SupervisorEvent, WorkerEvent, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
-from jaxpar.supervisor.group import LocalNode, Wakeup
+from jaxpar.supervisor.group import LocalNode
 from jaxpar.supervisor.incarnation import Incarnation
-from jaxpar.supervisor.options import Options, cannot_write, say
+from jaxpar.supervisor.job import JobState
+from jaxpar.supervisor.options import cannot_write, say
 from jaxpar.supervisor.policy import CrashLoop, Outcome, backoff_s, shrink_plan
-from jaxpar.supervisor.transport import RemoteNode, Rendezvous
+from jaxpar.supervisor.transport import Rendezvous
 from jaxpar.worker import bootstrap
 
 
-class Supervisor:
+class Supervisor(JobState):
     """Runs the job: one group of workers per incarnation, restarted until done or given up."""
 
-    def __init__(self, opts: Options):
-        self.opts = opts
-        self.run_dir = os.path.abspath(opts.run_dir)
-        self.events_path = os.path.join(self.run_dir, runlog.EVENTS)
-        self.waker = Wakeup()
-        self.nodes: list[LocalNode | RemoteNode] = []
-        self.slots: list[tuple[int, int]] = []  # (node, local index), indexed by process id
-        self.layout: dict | None = None  # after a shrink: {"mesh", "microbatches"} for workers
-        self.lock: ownership.RunDirLock | None = None  # held for the whole job
-        self.incarnation = 0
-        self.restarts = 0  # group restarts of any kind
-        self.counted = 0  # those that count against --max-restarts
-        self.stop_request: int | None = None
-        self.startup_measured: float | None = None
-        self.faults_seen: list[dict] = []
-
-    def event(self, name: str, **fields: Any) -> None:
-        line = {"event": name, "time": time.time(), "incarnation": self.incarnation, **fields}
-        try:
-            append_line(self.events_path, line)
-        except OSError as e:
-            cannot_write(self.events_path, e)
-
     def _count_starts(self) -> int:
-        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == W.START)
+        return sum(1 for e in read_jsonl(self.events_path) if e.get("event") == WorkerEvent.START)
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_request is not None and signum == signal.SIGINT:
@@ -93,7 +70,7 @@ class Supervisor:
             self.slots = [(n, i) for n, k in enumerate(per_node) for i in range(k)]
             self.incarnation = self._count_starts()
             self.event(
-                S.LAUNCH, nproc=len(self.slots), nnodes=len(self.nodes),
+                SupervisorEvent.LAUNCH, nproc=len(self.slots), nnodes=len(self.nodes),
                 devices_per_proc=self.opts.devices_per_proc, max_restarts=self.opts.max_restarts,
                 command=shlex.join(self.opts.command), pid=os.getpid(),
             )  # fmt: skip
@@ -139,7 +116,7 @@ class Supervisor:
             if out.kind == "preempted":
                 self.restarts += 1
                 self.incarnation = self._count_starts()
-                self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=False,
+                self.event(SupervisorEvent.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=False,
                            backoff_s=0.0, reason="preempted")  # fmt: skip
                 say("preempted: restarting (not counted against --max-restarts)")
                 continue
@@ -153,7 +130,7 @@ class Supervisor:
                     # that saw ENOSPC first may not be the one that would have removed it).
                     ckpt = os.path.join(self.run_dir, runlog.CHECKPOINTS)
                     extra["discarded"] = runlog.discard_uncommitted(ckpt)
-                self.event(S.GAVE_UP, reason=reason, **extra)
+                self.event(SupervisorEvent.GAVE_UP, reason=reason, **extra)
                 say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
                 return (
                     "gave_up",
@@ -164,7 +141,7 @@ class Supervisor:
             self.counted += 1
             self.restarts += 1
             self.incarnation = self._count_starts()
-            self.event(S.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=True,
+            self.event(SupervisorEvent.RESTART, attempt=self.restarts, nproc=len(self.slots), counted=True,
                        backoff_s=delay, reason=out.cause)  # fmt: skip
             say(
                 f"restart {self.counted}/{self.opts.max_restarts} on {len(self.slots)} processes"
@@ -224,7 +201,7 @@ class Supervisor:
         mesh_new = mesh_text(plan["mesh"])
         self.layout = {"mesh": mesh_new, "microbatches": plan["microbatches"]}
         self.incarnation = self._count_starts()
-        self.event(S.SHRINK, from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
+        self.event(SupervisorEvent.SHRINK, from_nproc=before, to_nproc=plan["nproc"], lost=sorted(set(lost)),
                    mesh=mesh_new, microbatches=plan["microbatches"])  # fmt: skip
         say(f"shrink {before} -> {plan['nproc']} processes, mesh {mesh_new}, "
             f"microbatches {plan['microbatches']}")  # fmt: skip
@@ -234,16 +211,3 @@ class Supervisor:
         end = time.time() + seconds
         while time.time() < end and self.stop_request is None:
             self.waker.wait(min(0.5, end - time.time()))
-
-    def _timeouts(self) -> tuple[float, float, float]:
-        o = self.opts
-        hang = o.hang_timeout or 60.0
-        if o.startup_timeout:
-            startup = o.startup_timeout
-        else:
-            startup = max(120.0, 3 * self.startup_measured) if self.startup_measured else 600.0
-        coll = o.collective_timeout or (2 * hang + 60 if o.hang_timeout else 600.0)
-        if coll <= hang:
-            say(f"warning: collective timeout {coll:.0f}s <= hang timeout {hang:.0f}s: a hang "
-                f"may be reported as the peers' collective error")  # fmt: skip
-        return hang, startup, coll

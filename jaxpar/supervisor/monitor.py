@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import W
+from jaxpar.rundir.runlog import WorkerEvent
 from jaxpar.supervisor.policy import Outcome
 from jaxpar.worker import bootstrap
 
@@ -136,18 +136,18 @@ class Monitor:
     def read_events(self, now: float) -> None:
         for e in self.tail.read():
             kind = e.get("event")
-            if kind == W.FAULT_INJECTED:
+            if kind == WorkerEvent.FAULT_INJECTED:
                 self.faults_seen.append(e)
                 if e.get("permanent"):
                     try:
                         self.seen.lost.add(int(e.get("process", 0)))
                     except (TypeError, ValueError):
                         continue
-            elif kind == W.SAVE_BEGIN:
+            elif kind == WorkerEvent.SAVE_BEGIN:
                 self.seen.save_open = now
-            elif kind == W.SAVE_END:
+            elif kind == WorkerEvent.SAVE_END:
                 self.seen.save_open = None
-            elif kind in (W.DONE, W.WALL_TIME_LIMIT):
+            elif kind in (WorkerEvent.DONE, WorkerEvent.WALL_TIME_LIMIT):
                 self.seen.finishing = now
 
     def _faults(self, kinds: tuple[str, ...]) -> list[dict]:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxpar.rundir.runlog import S
+from jaxpar.rundir.runlog import SupervisorEvent
 from jaxpar.supervisor.channel import (
     HANDSHAKE_S,
     Channel,
@@ -141,7 +141,7 @@ class Rendezvous:
             except OSError:
                 return
             if not self._slots.acquire(blocking=False):  # a flood: no thread per connection
-                self.event(S.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
+                self.event(SupervisorEvent.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
                            reason=f"more than {MAX_HANDSHAKES} connections at once")  # fmt: skip
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -190,12 +190,14 @@ class Rendezvous:
             self.joined.put(node)
             self.waker.poke()
         except (OSError, ChannelError) as e:
-            self.event(S.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__)
+            self.event(
+                SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__
+            )
             with contextlib.suppress(OSError):
                 sock.close()
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.event(S.CONTROL_REJECTED, peer=peer, reason=reason)
+        self.event(SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=reason)
         say(f"refused a control connection from {peer}: {reason}")
         with contextlib.suppress(OSError):
             send_line(sock, {"refused": reason})

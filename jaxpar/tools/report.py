@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import PHASES, Incarnation, Incident, S
+from jaxpar.rundir.runlog import PHASES, Incarnation, Incident, SupervisorEvent
 
 # cause -> (label, colour); the order is the legend's (runlog.CAUSES).
 CAUSES: dict[str, tuple[str, str]] = {
@@ -118,7 +118,7 @@ def analyze(run_dir: str) -> Analysis:
         config=config,
         timeline=tl,
         evals=runlog.last_per_step(lines, "eval_loss"),
-        supervisor=[e for e in events if e.get("event") in S.ALL],
+        supervisor=[e for e in events if e.get("event") in SupervisorEvent.ALL],
     )
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import W
+from jaxpar.rundir.runlog import WorkerEvent
 from jaxpar.rundir.writer import RunDir
 from jaxpar.worker import bootstrap
 from jaxpar.worker.bootstrap import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
@@ -147,7 +147,9 @@ class Faults:
 
     def __init__(self, specs: list[FaultSpec], run: RunDir, process_index: int):
         self.run = run
-        fired = {e.get("spec") for e in run.events() if e.get("event") == W.FAULT_INJECTED}
+        fired = {
+            e.get("spec") for e in run.events() if e.get("event") == WorkerEvent.FAULT_INJECTED
+        }
         self.specs = [
             s
             for s in specs
@@ -171,7 +173,7 @@ class Faults:
                 self.fired.append(s.text)
                 if s.process == self.process:
                     self.run.event(
-                        W.FAULT_INJECTED, all_processes=True, kind=s.kind, spec=s.text,
+                        WorkerEvent.FAULT_INJECTED, all_processes=True, kind=s.kind, spec=s.text,
                         process=self.process, step=step, permanent=s.permanent,
                     )  # fmt: skip
                 return s
@@ -222,7 +224,7 @@ class Faults:
         if spec is None or spec.node != node or self.process != min(nodes[node]):
             return
         self.specs.remove(spec)
-        self.run.event(W.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
+        self.run.event(WorkerEvent.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
                        process=self.process, step=at, node=node)  # fmt: skip
         if self.wait_for_snapshot is not None:
             # this process's snapshot writer could otherwise write the tier again after it is

@@ -27,7 +27,7 @@ from jaxpar.data import sources as data_lib
 from jaxpar.engine.mesh import MeshSpec, make_mesh
 from jaxpar.engine.rules import Preset, validate_rules
 from jaxpar.parallel.program import Program, build_program
-from jaxpar.recovery import local_tier
+from jaxpar.recovery import compile_cache, local_tier
 from jaxpar.recovery.checkpoint import (
     Checkpointer,
     Preempted,
@@ -38,9 +38,9 @@ from jaxpar.recovery.checkpoint import (
 )
 from jaxpar.recovery.checkpoint import preflight as checkpoint_preflight
 from jaxpar.rundir import ownership, runlog
-from jaxpar.rundir.runlog import W, write_json
+from jaxpar.rundir.runlog import WorkerEvent, write_json
 from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter, mfu, peak_flops, summarize
-from jaxpar.worker import bootstrap, compile_cache, standby
+from jaxpar.worker import bootstrap, standby
 from jaxpar.worker.faults import Faults, NonFiniteLoss
 from jaxpar.worker.faults import check_processes as check_fault_processes
 from jaxpar.worker.faults import parse_all as parse_faults
@@ -133,6 +133,7 @@ def setup(
 
 def open_run_dir(s: Session) -> None:
     """Create the run directory and write config.json (after every check has passed)."""
+    standby.wait_for_go()  # a standby writes nothing to the run directory before "go"
     s.run.create()
     if s.run.is_writer:
         resolved = to_dict(s.cfg)
@@ -304,13 +305,13 @@ def restore_or_init(
             state, info = got
             if not replica_mismatches(state, s.mesh):
                 s.run.event(
-                    W.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
+                    WorkerEvent.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
                     to_mesh=ckpt.meta["mesh"], from_nproc=jax.process_count(),
                     to_nproc=jax.process_count(), fetched=info["fetched"],
                     local_skipped=info["skipped"],
                 )  # fmt: skip
                 return state
-            s.run.event(W.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
+            s.run.event(WorkerEvent.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
                         reason="data-parallel replicas differ")  # fmt: skip
             skipped = [*info["skipped"], info["step"]]
             tier.discard()
@@ -327,7 +328,7 @@ def restore_or_init(
 
 def _announce_fallback(s: Session, fallback: dict, source: str, step: int) -> None:
     """Local snapshots were there but none could be used: never a silent step back."""
-    s.run.event(W.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
+    s.run.event(WorkerEvent.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
                 incomplete=fallback["incomplete"])  # fmt: skip
     if s.run.is_writer:
         why = []
@@ -353,9 +354,9 @@ def _restore_persistent(
             lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
             s.program.abstract_state["comm"],
         )
-        s.run.event(W.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
+        s.run.event(WorkerEvent.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
     s.run.event(
-        W.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
+        WorkerEvent.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
         to_mesh=ckpt.meta["mesh"], from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
         skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
     )  # fmt: skip
@@ -366,7 +367,9 @@ def _restore_persistent(
 def check_replicas(s: Session, state: dict, when: str) -> None:
     bad = replica_mismatches(state, s.mesh)  # params and optimizer state
     if bad:
-        s.run.event(W.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20])
+        s.run.event(
+            WorkerEvent.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20]
+        )
         raise ReplicaMismatch(
             f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
             f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
@@ -537,7 +540,7 @@ def _run_locked(
     if warning and s.run.is_writer:
         print(f"jaxpar: {warning}", file=sys.stderr)
     s.run.event(
-        W.START, nproc=jax.process_count(), mesh=mesh_text,
+        WorkerEvent.START, nproc=jax.process_count(), mesh=mesh_text,
         warm=standby.start_path() != "cold",  # a pre-started spare or standby worker
         path=standby.start_path(),
     )  # fmt: skip
@@ -558,10 +561,12 @@ def _run_locked(
         copy_program = pool.submit(tier.warm_up) if tier is not None else None
         state = restore_or_init(s, ckpt, tier)
         compiled, seconds = step_program.result() if early is None else early
-        s.run.event(W.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats())
+        s.run.event(
+            WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
+        )
         if copy_program is not None:
             copy_program.result()
-            s.run.event(W.LOCAL_TIER, **tier.describe())
+            s.run.event(WorkerEvent.LOCAL_TIER, **tier.describe())
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
         inject.wait_for_snapshot = tier.wait if tier else None
         bootstrap.barrier("jaxpar_compiled")  # the first step's collectives start together
@@ -581,10 +586,10 @@ def _run_locked(
             failed = sys.exc_info()[0] is not None
             tier.close(complete=last == cfg.train.steps, failed=failed)
             if not failed:
-                s.run.event(W.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
+                s.run.event(WorkerEvent.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
         if s.tb:
             s.tb.close()
-    s.run.event(W.DONE, step=last, complete=last == cfg.train.steps)
+    s.run.event(WorkerEvent.DONE, step=last, complete=last == cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
         write_json(s.run.file(runlog.SUMMARY), summary)
@@ -604,7 +609,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         if stop:
             _save(s, ckpt, state, step, force=True)
             ckpt.wait()
-            kind = W.PREEMPTED if stop == "preempted" else W.WALL_TIME_LIMIT
+            kind = WorkerEvent.PREEMPTED if stop == "preempted" else WorkerEvent.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved
             if stop == "preempted":
                 if ckpt.interrupted:
@@ -629,7 +634,7 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0)
         if not np.isfinite(line["loss"]):
-            s.run.event(W.NONFINITE, step=step + 1, loss=line["loss"])
+            s.run.event(WorkerEvent.NONFINITE, step=step + 1, loss=line["loss"])
             raise NonFiniteLoss(step + 1, line["loss"])
         if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
             s.run.metrics(line)

@@ -1,7 +1,7 @@
 """jaxpar installed from a built wheel, used from a directory outside the checkout.
 
 The wheel goes into a fresh virtual environment that sees this interpreter's site-packages (jax,
-flax, ... are not reinstalled); every command runs with that environment's `jaxpar` script and
+flax, ... are not reinstalled; this interpreter may itself run in a virtual environment); every command runs with that environment's `jaxpar` script and
 python, no PYTHONPATH, and a temporary directory as the current directory.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,11 @@ def venv(tmp_path_factory) -> Path:
     env_dir = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)],
                    check=True, timeout=300, env=_env())  # fmt: skip
+    # Inside a virtual environment, `--system-site-packages` means the *base* interpreter's
+    # packages, which lack jax: the new venv also sees this interpreter's own site-packages (a
+    # plain path list in a .pth file: appended after the venv's own, so the wheel wins).
+    (site_dir,) = (env_dir / "lib").glob("python3*/site-packages")
+    (site_dir / "outer-site-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
                     "--force-reinstall",
                     str(wheel)], check=True, timeout=600, capture_output=True, env=_env())  # fmt: skip

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.worker import compile_cache
+from jaxpar.recovery import compile_cache
 
 
 class _Plant:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.recovery.checkpoint import EXIT_PREEMPTED
+from jaxpar.worker.bootstrap import EXIT_PREEMPTED
 from tests.helpers import SMALL, assert_exact, cpu_env, events, losses
 
 pytestmark = pytest.mark.slow

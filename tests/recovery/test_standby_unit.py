@@ -56,10 +56,12 @@ print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True
 
 
 # a worker with its own loop: its first RunDir is where it waits
+# A user's own loop on the library API: its first run-directory writer (here the checkpoint
+# manager's) is where a standby waits; `RunDir` itself never waits.
 OWN_LOOP_CHILD = """
 import sys
-from jaxpar.rundir.writer import RunDir
-RunDir(sys.argv[1]).event("start")
+import jaxpar
+jaxpar.CheckpointManager(sys.argv[1], use_async=False).run.event("start")
 print("wrote", flush=True)
 """
 
@@ -109,7 +111,7 @@ def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path)
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.worker import compile_cache
+    from jaxpar.recovery import compile_cache
 
     folder = tmp_path / "compiled"
     lowered = jax.jit(lambda x: jnp.sin(x) * 3.0).lower(jnp.ones((4,), jnp.float32))

@@ -1,4 +1,4 @@
-"""The per-process compiled-program cache (jaxpar/worker/compile_cache.py) and the spare worker's
+"""The per-process compiled-program cache (jaxpar/recovery/compile_cache.py) and the spare worker's
 decisions (jaxpar/worker/spare.py): a hit returns a program that computes bit-identical results, a
 changed program or a torn file is never served, and a spare runs a command in-process only when
 that equals a cold start."""
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.worker import compile_cache, spare
+from jaxpar.recovery import compile_cache
+from jaxpar.worker import spare
 
 
 @pytest.fixture
@@ -166,7 +167,7 @@ import sys, jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-from jaxpar.worker import compile_cache
+from jaxpar.recovery import compile_cache
 compile_cache.configure(sys.argv[2] if sys.argv[2] != "-" else None)
 def f(x):
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32) ^ jnp.uint32(12345)

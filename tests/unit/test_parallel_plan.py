@@ -1,9 +1,8 @@
-"""The strategy plan (jaxpar.parallel.plan), the mesh-axis facts (jaxpar.engine.mesh) and the engine's
-import structure: no import cycles in jaxpar/, no private names imported across modules."""
+"""The strategy plan (jaxpar.parallel.plan) and the mesh-axis facts (jaxpar.engine.mesh); the
+import structure as a whole is tests/unit/test_layers.py's."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import pathlib
 import subprocess
@@ -97,75 +96,3 @@ def test_mesh_module_imports_without_jax():
         "assert 'jax' not in sys.modules and 'numpy' not in sys.modules, 'jax imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def _imports(path: pathlib.Path, top_level: bool) -> list[tuple[str, list[str]]]:
-    """(module imported, names imported from it) for every jaxpar import in `path`: at module
-    level only, or at any depth (inside functions too)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level else list(ast.walk(tree))
-    out = []
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxpar"):
-            names = [a.name for a in node.names]
-            if node.module == "jaxpar":  # `from jaxpar import step`: the names are modules
-                out += [(f"jaxpar.{n}", []) for n in names]
-            else:
-                out.append((node.module, names))
-        elif isinstance(node, ast.Import):
-            out += [(a.name, []) for a in node.names if a.name.startswith("jaxpar.")]
-    return out
-
-
-def _engine_modules() -> dict[str, pathlib.Path]:
-    mods = {}
-    for path in (ROOT / "jaxpar").rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        mods[name] = path
-    return mods
-
-
-# The engine (mesh, rules, precision, model, task, step, parallel strategies) has no cycle even
-# through function-level imports; the whole package has none at module level.
-ENGINE = ("jaxpar.engine.mesh", "jaxpar.engine.rules", "jaxpar.engine.precision", "jaxpar.engine.model", "jaxpar.engine.losses",
-          "jaxpar.parallel.program", "jaxpar.engine.collectives", "jaxpar.parallel")  # fmt: skip
-# The data bench reuses the bench writer and the CLI's layout parser by their private names.
-KNOWN_PRIVATE = {
-    "jaxpar.bench.data: jaxpar.bench.harness._write",
-    "jaxpar.bench.data: jaxpar.cli._layout",
-}
-
-
-def test_no_import_cycles_and_no_private_imports_in_jaxpar():
-    mods = _engine_modules()
-    graph: dict[str, set[str]] = {}
-    private = []
-    for name, path in mods.items():
-        deps = set()
-        engine = name.startswith(ENGINE)
-        for mod, _names in _imports(path, top_level=not engine):
-            if mod in mods and mod != "jaxpar":  # the package itself only re-exports
-                deps.add(mod)
-        for mod, names in _imports(path, top_level=False):
-            private += [
-                f"{name}: {mod}.{n}" for n in names if n.startswith("_") and n != "__version__"
-            ]
-        graph[name] = deps
-    private = [p for p in private if p not in KNOWN_PRIVATE]
-    assert not private, f"private names imported across modules: {private}"
-    state: dict[str, int] = {}
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for dep in sorted(graph.get(node, ())):
-            if state.get(dep) == 1:
-                cycle = stack[stack.index(dep) :] + [dep] if dep in stack else [node, dep]
-                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
-            if dep not in state:
-                visit(dep, [*stack, dep])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])

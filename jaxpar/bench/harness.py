@@ -3,7 +3,9 @@
     jaxpar bench SUITE [--quick] [--recipe gpt_tiny] [--set key=value ...] [--out bench-results]
 
 Each suite measures the recipe given with --recipe (default gpt_tiny) and --set, prints a markdown
-table, writes OUT/SUITE.json and prints that path. `jaxpar bench --help` lists the suites.
+table, writes OUT/SUITE.json and OUT/YYYY-MM-DD-SUITE.md (a dated record: the command line, the
+machine, the jax and flax versions and the table) and prints both paths. `jaxpar bench --help`
+lists the suites.
 
 Adding a suite. Write, in its own module, a function taking one `Bench` and returning the result
 dict, which ends with `b.write(...)`:
@@ -21,9 +23,14 @@ module, and `jaxpar bench --help`, import no jax):
 
 from __future__ import annotations
 
+import datetime
 import importlib
+import importlib.metadata
 import json
 import os
+import platform
+import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,15 +82,96 @@ class Bench:
         return os.path.join(self.out_dir, name)
 
     def write(self, suite: str, result: dict, table: str) -> dict:
-        """Print the table, write OUT/SUITE.json (with the --set overrides measured under),
-        print where; returns `result`."""
+        """Print the table, write OUT/SUITE.json (with the --set overrides measured under) and
+        the dated record OUT/YYYY-MM-DD-SUITE.md, print where; returns `result`."""
         result.setdefault("overrides", list(self.overrides))
         path = self.path(f"{suite}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+        record = self.path(f"{datetime.date.today().isoformat()}-{suite}.md")
+        with open(record, "w") as f:
+            f.write(self.record(suite, table))
         print(table)
         print(f"\nwrote {path}")
+        print(f"wrote {record}")
         return result
+
+    def command(self, suite: str) -> str:
+        """The `jaxpar bench ...` command line of this run: sys.argv when it is that command,
+        else rebuilt from the options this Bench was created with."""
+        argv = sys.argv[1:]
+        if argv[:2] != ["bench", suite]:
+            argv = ["bench", suite]
+            argv += ["--recipe", self.recipe] if self.recipe != DEFAULT_RECIPE else []
+            argv += ["--quick"] if self.quick else []
+            argv += ["--paths", ",".join(self.paths)] if self.paths else []
+            argv += [a for o in self.overrides for a in ("--set", o)]
+            argv += ["--out", self.out_dir]
+        return shlex.join(["jaxpar", *argv])
+
+    def record(self, suite: str, table: str) -> str:
+        """The dated record's markdown: command, machine, versions, the table."""
+        lines = [
+            f"# jaxpar bench {suite}, {datetime.date.today().isoformat()}",
+            "",
+            f"- command: `{self.command(suite)}`",
+            f"- machine: {machine()}",
+            f"- jax: {jax_devices()}",
+            f"- versions: {versions()}",
+            f"- results: {suite}.json (next to this file)",
+            "",
+            "```text",
+            table.rstrip("\n"),
+            "```",
+            "",
+        ]
+        return "\n".join(lines)
+
+
+def machine() -> str:
+    """OS, architecture, CPU count and physical memory of this host."""
+    parts = [platform.platform(), platform.machine() or "unknown architecture"]
+    parts.append(f"{os.cpu_count() or '?'} CPUs")
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        parts.append(f"{memory / 2**30:.1f} GiB memory")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        parts.append("memory not known")
+    return ", ".join(parts)
+
+
+def jax_devices() -> str:
+    """The jax backend and its devices, if this process already uses jax (never imports it)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return "not imported by this process"
+    try:
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            return "imported, no backend initialized"
+    except (ImportError, AttributeError):
+        pass  # another jax version: ask jax itself
+    try:
+        devices = jax.devices()
+        kinds: dict[str, int] = {}
+        for d in devices:
+            kinds[d.device_kind] = kinds.get(d.device_kind, 0) + 1
+        each = ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
+        return f"backend {jax.default_backend()}, {len(devices)} devices ({each})"
+    except Exception as e:  # a broken backend must not lose the measurement
+        return f"devices not known ({type(e).__name__})"
+
+
+def versions() -> str:
+    """The installed jax, jaxlib and flax versions."""
+    found = []
+    for name in ("jax", "jaxlib", "flax"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
 
 
 def table(header: list[str], rows: list[list], align: str | None = None) -> str:

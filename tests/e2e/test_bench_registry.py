@@ -1,11 +1,15 @@
 """The bench registry: every suite has one signature, the help lists them with a rough duration,
-the shared writer prints the table and where the JSON went. Fast: no suite is run."""
+the shared writer prints the table and where the JSON and the dated record went. Fast: no suite
+is run."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import json
+import os
+import platform
+import re
 
 import pytest
 
@@ -47,8 +51,37 @@ def test_write_prints_table_and_path(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     path = tmp_path / "out" / "demo.json"
-    assert out == f"| a | b |\n|---|---:|\n| 1 | 2 |\n\nwrote {path}\n"
+    (record,) = (tmp_path / "out").glob("*-demo.md")
+    assert out == f"| a | b |\n|---|---:|\n| 1 | 2 |\n\nwrote {path}\nwrote {record}\n"
     assert json.loads(path.read_text()) == result
+
+
+def test_write_keeps_a_dated_record_of_command_machine_and_table(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    argv = ["/venv/bin/jaxpar", "bench", "demo", "--quick", "--set", "train.steps=3", "--out"]
+    monkeypatch.setattr("sys.argv", [*argv, str(out)])
+    b = harness.Bench(cfg=None, quick=True, out_dir=str(out), overrides=("train.steps=3",))
+    b.write("demo", {"suite": "demo"}, harness.table(["a", "b"], [[1, 2]], "---|---:"))
+    (record,) = out.glob("*-demo.md")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-demo\.md", record.name)
+    assert f"wrote {record}" in capsys.readouterr().out
+    text = record.read_text()
+    lines = text.splitlines()
+    assert lines[0] == f"# jaxpar bench demo, {record.name[:10]}"
+    command = f"- command: `jaxpar bench demo --quick --set train.steps=3 --out {out}`"
+    assert command in lines
+    (machine,) = [line for line in lines if line.startswith("- machine: ")]
+    assert platform.machine() in machine and f"{os.cpu_count()} CPUs" in machine
+    (versions,) = [line for line in lines if line.startswith("- versions: ")]
+    assert "jax " in versions and "flax " in versions
+    assert "```text\n| a | b |\n|---|---:|\n| 1 | 2 |\n```\n" in text
+    assert (out / "demo.json").exists()  # SUITE.json stays where other code reads it
+    # called as a library (not from `jaxpar bench`), the command is rebuilt from the Bench
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    b = harness.Bench(cfg=None, out_dir=str(out), recipe="digits_mlp", paths=("cold", "local"))
+    assert b.command("recovery") == (
+        f"jaxpar bench recovery --recipe digits_mlp --paths cold,local --out {out}"
+    )
 
 
 def test_bench_takes_the_recipe_and_overrides():

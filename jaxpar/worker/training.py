@@ -44,6 +44,7 @@ from jaxpar.worker import bootstrap, standby
 from jaxpar.worker.faults import Faults, NonFiniteLoss
 from jaxpar.worker.faults import check_processes as check_fault_processes
 from jaxpar.worker.faults import parse_all as parse_faults
+from jaxpar.worker.hooks import AFTER, BEFORE, Hooks, StepContext
 
 
 @dataclass
@@ -571,8 +572,9 @@ def _run_locked(
         inject.wait_for_snapshot = tier.wait if tier else None
         bootstrap.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
+        hooks = _hooks(s, ckpt, inject, tier, int(state["step"]), progress)
         try:
-            last = _loop(s, ckpt, inject, compiled, state, t_start, progress, tier)
+            last = _loop(s, ckpt, hooks, compiled, state, t_start, inject)
         except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
             kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
             own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
@@ -596,13 +598,65 @@ def _run_locked(
     return summary
 
 
-def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int:
-    """Train from the state's step to cfg.train.steps; returns the last step completed."""
+def _hooks(
+    s: Session,
+    ckpt: Checkpointer,
+    inject: Faults,
+    tier: local_tier.LocalTier | None,
+    start: int,
+    progress: bool | None,
+) -> Hooks:
+    """What runs around each step, in this order (the order of its events and syncs)."""
     cfg = s.cfg
-    start = int(state["step"])
     show = cfg.log.progress if progress is None else progress
     bar = Progress(cfg.train.steps, start, enabled=show and s.run.is_writer)
     unit = "tok" if s.source.kind == "lm" else "samples"
+    hooks = Hooks()
+
+    # -- before step: process faults, then the heartbeat (`step` steps done, arrived at the
+    # next; before any cross-process sync, so a slow process shows up late here, stragglers, and
+    # a hung one not at all), then faults on the state the step will run on
+    def state_faults(c: StepContext) -> None:
+        c.state["params"] = inject.maybe_diverge(c.step, c.state["params"])
+
+    hooks.add("faults", lambda c: inject.before_step(c.step), when=BEFORE)
+    hooks.add("heartbeat", lambda c: bootstrap.heartbeat(s.run.path, c.step), when=BEFORE)
+    hooks.add("state_faults", state_faults, when=BEFORE)
+
+    # -- after step (its loss finite): metrics, progress, checkpoint, local tier, evaluation
+    def metrics(c: StepContext) -> None:
+        s.run.metrics(c.line)
+        if s.tb:
+            s.tb.write(c.line)
+
+    def show_progress(c: StepContext) -> None:
+        line = c.line
+        rate = line.get("tokens_per_s") or line.get("samples_per_s")
+        bar.update(c.step, line["loss"], rate, unit, loss_metrics(line))
+
+    def evaluation(c: StepContext) -> None:
+        ev = evaluate(s, c.state, c.step)
+        shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k.startswith("eval_"))
+        bar.message(f"step {c.step}: {shown}")
+
+    last = cfg.train.steps
+    hooks.add("metrics", metrics, due=lambda n: n % cfg.log.every == 0 or n == last)
+    hooks.add("progress", show_progress)
+    hooks.add(
+        "checkpoint", lambda c: _save(s, ckpt, c.state, c.step),
+        due=lambda n: ckpt.due(n) or (n == last and cfg.ckpt.every > 0),
+    )  # fmt: skip
+    if tier is not None:  # a copy off the device, written in the background
+        hooks.add("local_tier", lambda c: tier.offer(c.step, c.state))
+    if cfg.train.eval_every:
+        hooks.add("evaluation", evaluation, every=cfg.train.eval_every)
+    return hooks
+
+
+def _loop(s, ckpt, hooks: Hooks, compiled, state, t_start, inject) -> int:
+    """Train from the state's step to cfg.train.steps; returns the last step completed."""
+    cfg = s.cfg
+    start = int(state["step"])
     replicated = NamedSharding(s.mesh, PartitionSpec())
     for step in range(start, cfg.train.steps):
         stop = _stop_requested(s, ckpt, step, t_start)
@@ -617,11 +671,9 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
                     raise Preempted(msg, step, interrupted=True, run_dir=s.run.path)
                 raise Preempted(f"preempted at step {step}; saved", step)
             return step
-        inject.before_step(step)
-        # `step` steps done, arrived at the next; before any cross-process sync, so a slow
-        # process shows up late here (stragglers) and a hung one not at all.
-        bootstrap.heartbeat(s.run.path, step)
-        state["params"] = inject.maybe_diverge(step, state["params"])
+        ctx = StepContext(s, state, step)
+        hooks.run(BEFORE, ctx)
+        state = ctx.state
         batch = device_batch(s, step)
         # make_array_from_callback, not device_put: device_put checks that every process passes
         # equal values, and NaN != NaN (it would also add a cross-process check to every step).
@@ -636,20 +688,9 @@ def _loop(s, ckpt, inject, compiled, state, t_start, progress, tier=None) -> int
         if not np.isfinite(line["loss"]):
             s.run.event(WorkerEvent.NONFINITE, step=step + 1, loss=line["loss"])
             raise NonFiniteLoss(step + 1, line["loss"])
-        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps:
-            s.run.metrics(line)
-            if s.tb:
-                s.tb.write(line)
-        rate = line.get("tokens_per_s") or line.get("samples_per_s")
-        bar.update(step + 1, line["loss"], rate, unit, loss_metrics(line))
-        if ckpt.due(step + 1) or (step + 1 == cfg.train.steps and cfg.ckpt.every > 0):
-            _save(s, ckpt, state, step + 1)
-        if tier is not None:
-            tier.offer(step + 1, state)  # a copy off the device, written in the background
-        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-            ev = evaluate(s, state, step + 1)
-            shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k.startswith("eval_"))
-            bar.message(f"step {step + 1}: {shown}")
+        ctx = StepContext(s, state, step + 1, line)
+        hooks.run(AFTER, ctx)
+        state = ctx.state
     return max(start, cfg.train.steps)
 
 

@@ -24,7 +24,8 @@ from jaxpar.usercode import search_current_directory
 
 @dataclass(frozen=True)
 class DataConfig:
-    # a name in jaxpar.data.sources.SOURCES, MODULE:CALLABLE, or (from a recipe) a source object/factory
+    # a registered name (jaxpar.data.sources.SOURCE_REGISTRY), MODULE:CALLABLE, or (from a recipe)
+    # a source object/factory
     source: Any = "stdlib_text"
     global_batch: int = 32
     seq_len: int = 64  # lm sources only
@@ -451,12 +452,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")
-    from jaxpar.data.sources import SOURCES  # the data module owns the list
+    from jaxpar.data import sources  # the data package owns the registry of source names
 
     source = cfg.data.source
-    if isinstance(source, str) and ":" not in source and source not in SOURCES:
+    if isinstance(source, str) and ":" not in source and source not in sources.SOURCE_REGISTRY:
         raise ValueError(
-            f"data.source={source!r} is not allowed: use one of {SOURCES} or MODULE:CALLABLE"
+            f"data.source={source!r} is not allowed: use one of {sources.source_names()} or "
+            "MODULE:CALLABLE"
         )
     return cfg
 

@@ -12,11 +12,16 @@ restored under another process count; random access into a grain `MapDataset` ca
     batch = to_device(local, {"inputs": sharding, "targets": sharding}, global_batch=32)
 
 A source is any object with the `Source` protocol below (random access: example `i` of a split
--> dict of numpy arrays, the split's length, the example spec). `make_source` takes a built-in
+-> dict of numpy arrays, the split's length, the example spec). `make_source` takes a registered
 name, a `module:callable` name, a ready source object, or a factory callable; a factory is
 called with one `SourceArgs` (docs/data.md has a worked example).
 
-Built-in sources (`SOURCES`):
+Names are looked up in `SOURCE_REGISTRY` (name -> factory taking one `SourceArgs`); a factory
+joins it with `register_source(name)` (a decorator, or `register_source(name, factory)`), and
+`SOURCES` is the tuple of its names. A new built-in source is one factory (here, or in its own
+module like jaxpar/data/tokens.py) plus one registration below; nothing else names it.
+
+Built-in sources (`SOURCES`, in registration order):
 - `stdlib_text`: bytes of the Python standard library's `.py` files (sorted paths, ~8 MB); the
   last 5% of bytes is the `eval` split. An example is a window at a keyed pseudo-random offset.
 - `tokens`: pre-tokenized shards read through `np.memmap` (jaxpar/data/tokens.py; written by
@@ -36,6 +41,7 @@ import importlib
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,10 +50,16 @@ import jax
 import numpy as np
 
 from jaxpar.data import tokens
-from jaxpar.data.spec import SPLITS, lm_spec, split_id  # noqa: F401 - lm_spec: part of this API
+from jaxpar.data.codec import Codec
+from jaxpar.data.spec import (  # noqa: F401 - lm_spec, SourceArgs: part of this API
+    SPLITS,
+    SourceArgs,
+    check_seq_len,
+    lm_spec,
+    split_id,
+)
 from jaxpar.usercode import search_current_directory
 
-SOURCES = ("stdlib_text", "tokens", "digits", "synthetic_text", "synthetic_image")
 KINDS = ("lm", "classify")
 
 _CORPUS_CAP_BYTES = 8_000_000  # whole files up to this size: loads in well under a second
@@ -57,7 +69,7 @@ _DIGITS_EVAL_FRACTION = 0.2
 _DIGITS_SPLIT_SEED = 0
 _IMAGE_SHAPE = (8, 8, 1)
 _NUM_CLASSES = 10
-_BYTE_VOCAB = 256
+_BYTE_VOCAB = Codec().vocab_size  # byte-level text: one id per byte
 _SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
@@ -68,8 +80,10 @@ class Source(Protocol):
     `lm` sources also carry `seq_len` and `vocab_size`; `classify` sources carry `image_shape`
     and `num_classes`. Optional: `spec()` (the example's shapes and dtypes without reading one;
     default: read example 0), `describe()` (one line), `vocab_fixed` (True when the data fixes
-    the vocabulary, e.g. a trained tokenizer: the model's `vocab_size` must then equal it) and
-    `tokenizer_file` (a Hugging Face tokenizer.json that turns ids back into text).
+    the vocabulary, e.g. a trained tokenizer: the model's `vocab_size` must then equal it), and
+    how its ids decode back into text (jaxpar/data/codec.py): `codec()` (an object with
+    `encode`, `decode` and `vocab_size`, e.g. `Codec()` for UTF-8 bytes) or `tokenizer_file`
+    (a Hugging Face tokenizer.json).
 
     The contract every source keeps: `example` is a pure function of (source, index, split), so
     the batch of step s is a pure function of (source, seed, step) on any process count.
@@ -87,15 +101,50 @@ class Source(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class SourceArgs:
-    """What a source factory (`data.source=module:callable`) is called with."""
+SourceFactory = Callable[[SourceArgs], Source]
 
-    seq_len: int = 64  # the model's context (lm sources)
-    vocab_size: int = 256  # the model's vocabulary (lm sources)
-    seed: int = 0  # data.seed: the source's own randomness
-    path: str = ""  # data.path
-    dtype: str = ""  # data.dtype
+# name -> factory: what `data.source=NAME` builds. Insertion order is `SOURCES`' order.
+SOURCE_REGISTRY: dict[str, SourceFactory] = {}
+
+
+def register_source(name: str, factory: SourceFactory | None = None) -> Any:
+    """Make `factory` (called with one `SourceArgs`, returns a `Source`) the source `name`.
+
+    `register_source("name", factory)`, or as a decorator: `@register_source("name")`. The name
+    is then accepted by `data.source` (config validation asks this registry) and built by
+    `make_source`. A name cannot contain ":" (that is MODULE:CALLABLE) and cannot be taken twice
+    by different factories (ValueError); registering the same factory again changes nothing."""
+    if not isinstance(name, str) or not name or ":" in name or name != name.strip():
+        raise ValueError(
+            f"data source name {name!r}: use a non-empty name without ':' or surrounding spaces "
+            "(':' means MODULE:CALLABLE)"
+        )
+
+    def add(f: SourceFactory) -> SourceFactory:
+        if not callable(f):
+            raise ValueError(f"data source {name!r}: {f!r} is not a callable taking SourceArgs")
+        have = SOURCE_REGISTRY.get(name)
+        if have is not None and have is not f:
+            raise ValueError(
+                f"data source {name!r} is already registered ({source_label(have)}); pick "
+                "another name"
+            )
+        SOURCE_REGISTRY[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def source_names() -> tuple[str, ...]:
+    """The registered source names, in registration order (what `SOURCES` is)."""
+    return tuple(SOURCE_REGISTRY)
+
+
+def __getattr__(name: str) -> Any:
+    # `SOURCES` is derived from the registry on every access, so it includes later registrations.
+    if name == "SOURCES":
+        return source_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _classify_spec(image_shape: tuple[int, ...]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -186,6 +235,10 @@ class TextCorpusSource:
         off = self.window_offset(index, split)
         return _lm_example(self.corpus[off : off + self.seq_len + 1])
 
+    def codec(self) -> Codec:
+        """Its ids are the corpus's bytes."""
+        return Codec()
+
     def describe(self) -> str:
         train, ev = (hi - lo for lo, hi in map(self.split_bytes, SPLITS))
         return (
@@ -193,6 +246,34 @@ class TextCorpusSource:
             f"({len(self.files)} files), lm seq_len={self.seq_len} vocab={self.vocab_size}; "
             f"train {train:,} bytes, eval {ev:,} bytes"
         )
+
+
+@register_source("stdlib_text")
+def stdlib_text(args: SourceArgs) -> TextCorpusSource:
+    """Byte-level text of the Python standard library's source."""
+    check_seq_len(args.seq_len)
+    if args.vocab_size < _BYTE_VOCAB:
+        raise ValueError(
+            f"stdlib_text is byte-level text: vocab_size must be >= {_BYTE_VOCAB}, got "
+            f"{args.vocab_size}; set vocab_size={_BYTE_VOCAB}"
+        )
+    corpus, files = _stdlib_corpus()
+    source = TextCorpusSource(
+        "stdlib_text", args.seq_len, args.vocab_size, args.seed, corpus=corpus, files=files
+    )
+    smallest = min(hi - lo for lo, hi in map(source.split_bytes, SPLITS))
+    if args.seq_len + 1 > smallest:
+        raise ValueError(
+            f"seq_len={args.seq_len} does not fit the stdlib_text eval split ({smallest} bytes); "
+            f"use seq_len <= {smallest - 1}"
+        )
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens: its own module (jaxpar/data/tokens.py)
+
+register_source("tokens", tokens.open_source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +327,13 @@ class DigitsSource:
         )
 
 
+@register_source("digits")
+def digits(args: SourceArgs) -> DigitsSource:
+    """scikit-learn's digits; takes none of the arguments."""
+    _digits_arrays()  # load now: a missing scikit-learn fails here, not at step 0
+    return DigitsSource()
+
+
 # ---------------------------------------------------------------------------------------------
 # synthetic
 
@@ -271,11 +359,23 @@ class SyntheticTextSource:
         rng = np.random.default_rng([self.seed, split_id(split), index])
         return _lm_example(rng.integers(0, self.vocab_size, self.seq_len + 1))
 
+    def codec(self) -> Codec:
+        """Random ids carry no text; shown as bytes (ids >= 256 are never sampled then)."""
+        return Codec()
+
     def describe(self) -> str:
         return (
             f"{self.name}: unbounded random tokens, lm seq_len={self.seq_len} "
             f"vocab={self.vocab_size}, seed {self.seed}; train and eval keyed separately"
         )
+
+
+@register_source("synthetic_text")
+def synthetic_text(args: SourceArgs) -> SyntheticTextSource:
+    check_seq_len(args.seq_len)
+    if args.vocab_size < 2:
+        raise ValueError(f"synthetic_text needs vocab_size >= 2, got {args.vocab_size}")
+    return SyntheticTextSource(seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed)
 
 
 @dataclass(frozen=True, eq=False)
@@ -318,6 +418,11 @@ class SyntheticImageSource:
         )
 
 
+@register_source("synthetic_image")
+def synthetic_image(args: SourceArgs) -> SyntheticImageSource:
+    return SyntheticImageSource(seed=args.seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 
@@ -331,8 +436,8 @@ def make_source(
     path: str = "",
     dtype: str = "",
 ) -> Source:
-    """Build a source from a built-in name (`SOURCES`), a `module:callable` name, a source object
-    or a factory callable (called with one `SourceArgs`).
+    """Build a source from a registered name (`SOURCES`), a `module:callable` name, a source
+    object or a factory callable (called with one `SourceArgs`).
 
     `seed` fixes the source's own randomness (synthetic contents, text window offsets); the order
     in which examples are visited is `host_batch`'s seed. `seq_len`/`vocab_size` apply to `lm`
@@ -345,38 +450,13 @@ def make_source(
         return check_source(_from_object(name, args), source_label(name))
     if ":" in name:
         return check_source(_from_object(_import(name), args), name)
-    if name not in SOURCES:
+    factory = SOURCE_REGISTRY.get(name)
+    if factory is None:
         raise ValueError(
-            f"unknown data source {name!r}; use one of {SOURCES} or MODULE:CALLABLE for your own "
-            "(see docs/data.md)"
+            f"unknown data source {name!r}; use one of {source_names()} or MODULE:CALLABLE for "
+            "your own (see docs/data.md)"
         )
-    if name == "digits":
-        _digits_arrays()  # load now: a missing scikit-learn fails here, not at step 0
-        return DigitsSource()
-    if name == "synthetic_image":
-        return SyntheticImageSource(seed=seed)
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if name == "tokens":
-        return tokens.open_tokens(path, seq_len=seq_len, vocab_size=vocab_size, dtype=dtype)
-    if name == "synthetic_text":
-        if vocab_size < 2:
-            raise ValueError(f"synthetic_text needs vocab_size >= 2, got {vocab_size}")
-        return SyntheticTextSource(seq_len=seq_len, vocab_size=vocab_size, seed=seed)
-    if vocab_size < _BYTE_VOCAB:
-        raise ValueError(
-            f"{name} is byte-level text: vocab_size must be >= {_BYTE_VOCAB}, got {vocab_size}; "
-            f"set vocab_size={_BYTE_VOCAB}"
-        )
-    corpus, files = _stdlib_corpus()
-    source = TextCorpusSource(name, seq_len, vocab_size, seed, corpus=corpus, files=files)
-    smallest = min(hi - lo for lo, hi in map(source.split_bytes, SPLITS))
-    if seq_len + 1 > smallest:
-        raise ValueError(
-            f"seq_len={seq_len} does not fit the {name} eval split ({smallest} bytes); "
-            f"use seq_len <= {smallest - 1}"
-        )
-    return source
+    return check_source(factory(args), name)
 
 
 def source_label(source: Any) -> str:

@@ -12,7 +12,8 @@ DIR holds what `jaxpar data prepare` writes (docs/data.md has the format):
     tokenizer.json       the Hugging Face tokenizer that produced them
 
 or nanoGPT's layout: `train.bin` and `val.bin` (uint16 unless `data.dtype` says otherwise) with
-no meta.json; the vocabulary is then the model's. The `val` shards are jaxpar's `eval` split.
+no meta.json; the vocabulary is then the model's, and a `tokenizer.json` beside them, if any, is
+the source's `tokenizer_file`. The `val` shards are jaxpar's `eval` split.
 
 Example `i` of a split is the window of `seq_len + 1` tokens starting at token `i * seq_len` of
 the split's shards taken end to end (windows overlap by the one token that is the last target):
@@ -28,13 +29,14 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jaxpar.data.spec import SPLITS, lm_spec, split_id
+from jaxpar.data.spec import SPLITS, SourceArgs, check_seq_len, lm_spec, split_id
 from jaxpar.rundir.runlog import read_json_object
 
 FORMAT = "jaxpar-tokens"
 VERSION = 1
 DTYPES = ("uint16", "uint32")
 META = "meta.json"
+NANOGPT_TOKENIZER = "tokenizer.json"  # read beside nanoGPT's train.bin/val.bin, which have no meta
 # jaxpar's split -> the shard name prefix on disk (nanoGPT's names)
 SPLIT_FILES = {"train": "train", "eval": "val"}
 
@@ -55,7 +57,7 @@ class TokenSource:
     vocab_size: int
     vocab_fixed: bool  # meta.json fixes the vocabulary (the model must match it)
     shards: dict[str, tuple[Shard, ...]] = field(repr=False)
-    tokenizer_file: str | None = None
+    tokenizer_file: str | None = None  # the tokenizer.json that decodes its ids (codec.py)
     name: str = "tokens"
     kind: str = "lm"
     bytes_read: int = 0  # token bytes this process has sliced out of the shards (benchmarks)
@@ -189,12 +191,24 @@ def _from_meta(directory: str, seq_len: int, dtype: str) -> TokenSource:
             for e in entries
             if isinstance(e, dict)
         )
-    tok = meta.get("tokenizer")
-    tok_path = None
-    if isinstance(tok, str) and os.path.basename(tok) == tok and tok:
-        candidate = os.path.join(directory, tok)
-        tok_path = candidate if os.path.isfile(candidate) else None
-    return TokenSource(directory, seq_len, have, vocab, True, shards, tok_path)
+    return TokenSource(
+        directory, seq_len, have, vocab, True, shards, meta_tokenizer(directory, meta)
+    )
+
+
+def meta_tokenizer(directory: str, meta: dict | None = None, hint: str = "") -> str | None:
+    """The tokenizer file that `directory`'s meta.json names, or None when it names none.
+
+    meta.json is untrusted: it is read (unless `meta` is given) through the bounded reader, and
+    its `tokenizer` entry counts only as a plain file name of a file present in `directory`.
+    `hint` ends the error of an unreadable meta.json."""
+    if meta is None:
+        meta = read_json_object(os.path.join(directory, META), "meta file", hint)
+    name = meta.get("tokenizer")
+    if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+        return None
+    path = os.path.join(directory, name)
+    return path if os.path.isfile(path) else None
 
 
 def _nanogpt(directory: str, seq_len: int, vocab_size: int, dtype: str) -> TokenSource:
@@ -209,7 +223,18 @@ def _nanogpt(directory: str, seq_len: int, vocab_size: int, dtype: str) -> Token
                 f"set data.dtype to the dtype it was written with"
             )
         shards[split] = (Shard(path, size // np_dtype.itemsize),)
-    return TokenSource(directory, seq_len, np_dtype.name, vocab_size, False, shards)
+    # no meta.json to name a tokenizer: one saved beside the shards under the usual name decodes
+    tok_path = os.path.join(directory, NANOGPT_TOKENIZER)
+    tok_path = tok_path if os.path.isfile(tok_path) else None
+    return TokenSource(directory, seq_len, np_dtype.name, vocab_size, False, shards, tok_path)
+
+
+def open_source(args: SourceArgs) -> TokenSource:
+    """The `tokens` source's factory (registered in jaxpar/data/sources.py)."""
+    check_seq_len(args.seq_len)
+    return open_tokens(
+        args.path, seq_len=args.seq_len, vocab_size=args.vocab_size, dtype=args.dtype
+    )
 
 
 def open_tokens(path: str, *, seq_len: int, vocab_size: int, dtype: str = "") -> TokenSource:

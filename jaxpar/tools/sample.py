@@ -6,16 +6,16 @@
 The newest good checkpoint is restored onto one device (whatever mesh saved it). The prompt is
 run through the model once (prefill), then each new token costs one `decode` call on that token
 alone: the model's `init_cache`/`decode` keep every earlier position's keys and values, so
-nothing is recomputed. Text goes through the run's tokenizer: the `tokens` source's
-tokenizer.json, or bytes for the byte-level sources (`stdlib_text`, `synthetic_text`);
-`--tokenizer FILE` names another. `--temperature 0` is greedy and deterministic; otherwise
-sampling is reproducible for a given `--seed`.
+nothing is recomputed. Text goes through the run's tokenizer, which the run's data source says
+(jaxpar/data/codec.py): its `codec()` (bytes for the byte-level built-ins `stdlib_text` and
+`synthetic_text`), its `tokenizer_file` (a `tokens` folder's: the one its meta.json names), or
+the tokenizer named by meta.json in `data.path`, whatever the source's name. `--tokenizer FILE`
+overrides it. `--temperature 0` is greedy and deterministic; otherwise sampling is reproducible
+for a given `--seed`.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,53 +23,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.data.codec import Codec, codec_of  # Codec: also importable from here, as before
 from jaxpar.data.sources import source_label
 from jaxpar.tools import finished_run
 
-BYTE_SOURCES = ("stdlib_text", "synthetic_text")
 
-
-@dataclass
-class Codec:
-    """Text <-> token ids: a Hugging Face tokenizer, or UTF-8 bytes (tokenizer None)."""
-
-    tokenizer: Any = None
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 if self.tokenizer is None else self.tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return bytes(ids).decode("utf-8", errors="replace")
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def run_codec(cfg, tokenizer: str | None = None) -> Codec:
-    """The codec a run trained with (see the module docstring)."""
-    from jaxpar.data.prepare import load_tokenizer
-
+def run_codec(cfg, tokenizer: str | None = None) -> Any:
+    """The codec a run trained with: `tokenizer` (a tokenizer.json) if given, else the one its
+    data source says (see the module docstring); ValueError naming --tokenizer when none does."""
     if tokenizer:
-        return Codec(load_tokenizer(tokenizer))
-    source = source_label(cfg.data.source)
-    if source == "tokens":
-        path = os.path.join(cfg.data.path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"the run trained on data.path={cfg.data.path}, which has no tokenizer.json; "
-                "pass --tokenizer FILE"
-            )
-        return Codec(load_tokenizer(path))
-    if source in BYTE_SOURCES:
-        return Codec()
-    raise ValueError(
-        f"the run's data source {source!r} has no known tokenizer; pass --tokenizer FILE"
-    )
+        return Codec.from_file(tokenizer)
+    from jaxpar.worker.training import make_source  # the source exactly as the run built it
+
+    label, path = source_label(cfg.data.source), cfg.data.path
+    why = ""
+    try:
+        source = make_source(cfg)
+    except Exception as e:  # noqa: BLE001 - any source (a user's too): meta.json may still say
+        source, why = None, f" (the source could not be opened: {e})"
+    codec = codec_of(source, path)
+    if codec is None:
+        where = f" or in data.path={path}/meta.json" if path else ""
+        raise ValueError(
+            f"the run's data source {label!r} does not say how its ids decode (no codec() or "
+            f"tokenizer_file{where}){why}; pass --tokenizer FILE"
+        )
+    return codec
 
 
 def _pick(logits_BV, key, temperature: float, top_k: int, vocab: int):

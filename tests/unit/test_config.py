@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from jaxpar.config import TrainConfig, apply_overrides, config_hash, resolve_recipe, to_dict
+from jaxpar.config import (
+    TrainConfig,
+    apply_overrides,
+    config_hash,
+    resolve_recipe,
+    to_dict,
+    validate,
+)
+from jaxpar.data import sources
 from jaxpar.models.cnn import CNNConfig
 from jaxpar.models.gpt import GPTConfig
 
@@ -168,3 +176,12 @@ def test_to_dict_is_json_and_records_the_model_class(gpt):
     assert d["model"]["_class"] == "jaxpar.models.gpt:GPTConfig"
     assert d["optim"]["lr"] == gpt.optim.lr and d["mesh"] == gpt.mesh
     assert to_dict(resolve_recipe("digits_cnn"))["model"]["channels"] == [32, 64]
+
+
+def test_data_source_names_are_checked_against_the_registry(gpt):
+    for name in sources.SOURCES:
+        validate(apply_overrides(gpt, [f"data.source={name}"]))
+    validate(apply_overrides(gpt, ["data.source=my_module:make"]))  # imported when built
+    with pytest.raises(ValueError, match=r"data.source='imagenet' is not allowed: use one of \("):
+        validate(apply_overrides(gpt, ["data.source=imagenet"]))
+    assert sources.SOURCES == tuple(sources.SOURCE_REGISTRY)

@@ -1,5 +1,6 @@
 """jaxpar.data.sources: batches are pure functions of (seed, step, split) and tile across processes."""
 
+import dataclasses
 import sysconfig
 
 import jax
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.config import DataConfig, resolve_recipe, validate
 from jaxpar.data import sources
 
 SEQ_LEN = 16
@@ -196,3 +198,52 @@ def test_to_device_assembles_the_global_batch():
         np.testing.assert_array_equal(np.asarray(value), expected[key])
     with pytest.raises(ValueError, match="shardings keys"):
         sources.to_device(local, {"image": sharding}, global_batch=n)
+
+
+@pytest.fixture
+def registered():
+    """Names registered by a test, removed from the registry afterwards."""
+    names = []
+    yield names
+    for name in names:
+        sources.SOURCE_REGISTRY.pop(name, None)
+
+
+def test_a_registered_source_is_accepted_by_config_and_built_by_make_source(registered):
+    seen = []
+
+    @sources.register_source("counting_test")
+    def counting(args):
+        seen.append(args)
+        return sources.SyntheticTextSource(args.seq_len, args.vocab_size, args.seed)
+
+    registered.append("counting_test")
+    assert sources.SOURCE_REGISTRY["counting_test"] is counting
+    assert sources.SOURCES[-1] == "counting_test"  # derived from the registry, not a copy
+    cfg = resolve_recipe("gpt_tiny")
+    assert validate(dataclasses.replace(cfg, data=DataConfig(source="counting_test")))
+    with pytest.raises(ValueError, match=r"data.source='nowhere' is not allowed.*counting_test"):
+        validate(dataclasses.replace(cfg, data=DataConfig(source="nowhere")))
+    built = sources.make_source("counting_test", seq_len=8, vocab_size=7, seed=3, path="p")
+    assert seen == [sources.SourceArgs(seq_len=8, vocab_size=7, seed=3, path="p")]
+    assert built.example(0, "train")["inputs"].shape == (8,) and built.vocab_size == 7
+    # a factory that returns no source is caught like a user's MODULE:CALLABLE
+    sources.register_source("bare_test", lambda args: object())
+    registered.append("bare_test")
+    with pytest.raises(ValueError, match="'bare_test' returned object, which lacks"):
+        sources.make_source("bare_test")
+
+
+def test_registry_refuses_clashing_names(registered):
+    def make(args):
+        return sources.SyntheticImageSource(seed=args.seed)
+
+    with pytest.raises(ValueError, match="already registered"):
+        sources.register_source("digits", make)
+    for bad in ("my:source", "", " padded"):
+        with pytest.raises(ValueError, match="':' means MODULE:CALLABLE"):
+            sources.register_source(bad, make)
+    sources.register_source("image_test", make)
+    registered.append("image_test")
+    assert sources.register_source("image_test", make) is make  # the same factory: no change
+    assert sources.SOURCE_REGISTRY["digits"] is sources.digits  # the built-in is untouched

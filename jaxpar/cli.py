@@ -56,12 +56,12 @@ def _names() -> str:
 
 
 def _train_epilog() -> str:
-    from jaxpar.worker.faults import KINDS
+    from jaxpar.rundir.fault_kinds import KINDS
 
     return (
         f"{_names()}\n"
         f"fault kinds: {', '.join(KINDS)} (SPEC = KIND@STEP[:process=P][:permanent][:repeat]"
-        f"[:seconds=X]; see jaxpar/worker/faults.py)\n"
+        f"[:seconds=X]; see jaxpar/rundir/fault_kinds.py)\n"
         f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
         f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
         f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "

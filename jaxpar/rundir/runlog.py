@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpar.rundir import fault_kinds
+
 # ---- files ----------------------------------------------------------------------------------
 
 EVENTS = "events.jsonl"
@@ -115,8 +117,9 @@ class SupervisorEvent:
     DETECTIONS = (FAILURE, PREEMPTION)  # the supervisor noticed an incarnation ending
 
 
-# Injected faults that end an incarnation (slow, diverge and corrupt do not, by themselves).
-ENDING_FAULTS = ("kill", "hang", "sigterm", "nan", "killsave", "killsnap", "losthost")
+# Injected faults that end an incarnation (slow, diverge and corrupt do not, by themselves):
+# the `ends` column of jaxpar/rundir/fault_kinds.py.
+ENDING_FAULTS = fault_kinds.ENDING
 
 # ---- writers and readers --------------------------------------------------------------------
 

@@ -1,20 +1,9 @@
 """Fault injection: real failures at chosen steps, for tests, benchmarks and drills.
 
 Specs (`--fault SPEC`, repeatable; `JAXPAR_FAULTS` carries the same specs `;`-separated):
-
-    kill@S[:process=P][:permanent]   SIGKILL to itself (permanent: the slot is lost for good)
-    hang@S[:process=P]               stays alive, makes no progress
-    sigterm@S[:process=P]            preemption notice
-    nan@S                            poisons loss and gradients inside the compiled step
-    diverge@S[:process=P]            perturbs that process's replica of the parameters
-    killsave@S                       SIGKILL after the step-S checkpoint wrote its arrays, before commit
-    corrupt@S                        flips a byte inside an array file of the newest committed checkpoint
-    slow@S:process=P:seconds=X       every step from S sleeps X seconds (an incarnation that
-                                     restored past S sleeps from its first step, with :repeat)
-    killsnap@S[:process=P]           SIGKILL after the local snapshot of step S wrote its data,
-                                     before its commit marker (a torn snapshot)
-    losthost@S:node=N                node N is lost: its local snapshot tier is deleted, its agent
-                                     (`jaxpar launch`), workers and itself are SIGKILLed
+KIND@S[:process=P][:permanent][:repeat][:seconds=X][:node=N]. The kinds, their grammar, where
+each fires and whether it ends the incarnation are one table, jaxpar/rundir/fault_kinds.py; their
+implementations are `IMPLEMENTATIONS` below, keyed by kind.
 
 `@S` fires when the process is about to start step S (steps < S are complete and logged). A spec
 fires once per run directory (its `fault_injected` event is the record); `:repeat` fires in
@@ -41,16 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.rundir import runlog
+from jaxpar.rundir import fault_kinds, runlog
 from jaxpar.rundir.runlog import WorkerEvent
 from jaxpar.rundir.writer import RunDir
 from jaxpar.worker import bootstrap
 from jaxpar.worker.bootstrap import EXIT_NAN as EXIT_NAN  # the exit after a non-finite loss
 
-KINDS = (
-    "kill", "hang", "sigterm", "nan", "diverge", "killsave", "corrupt", "slow", "killsnap",
-    "losthost",
-)  # fmt: skip
+KINDS = fault_kinds.KINDS
+# Kinds every process holds: `nan` acts on every process, `losthost` picks its process by node.
+EVERY_PROCESS = frozenset({"nan", "losthost"})
 
 
 class NonFiniteLoss(RuntimeError):
@@ -138,7 +126,8 @@ def parse_all(specs: list[str]) -> list[FaultSpec]:
 
 
 class Faults:
-    """The faults of this process in this incarnation; the loop calls the hooks below.
+    """The faults of this process in this incarnation; the loop calls the injection points below
+    (fault_kinds.POINTS), each of which runs the implementations of its kinds in table order.
 
     `nan` poisons the step on every process (the poison scalar is replicated, so all processes
     must agree on it); the process named by `process=P` records the event. Every other kind
@@ -153,7 +142,7 @@ class Faults:
         self.specs = [
             s
             for s in specs
-            if (s.process == process_index or s.kind in ("nan", "losthost"))
+            if (s.process == process_index or s.kind in EVERY_PROCESS)
             and (s.repeat or s.text not in fired)
         ]
         self.process = process_index
@@ -182,67 +171,130 @@ class Faults:
     def before_step(self, step: int) -> None:
         """Process-level faults at the start of `step` (0-based index of the step about to run)."""
         at = step + 1  # @S: about to start step S (1-based, as metrics.jsonl counts)
-        # A failure at S happens as soon as step S-1 is done (before any `slow` sleep): a hang's
-        # time without progress starts at its `fault_injected` event.
-        if self._take("kill", at):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self._take("hang", at):
-            # as a real hang inside a step: this process arrived at the step (its progress
-            # heartbeat says so), then makes no progress; jax's own heartbeats continue
-            bootstrap.heartbeat(self.run.path, step)
-            while True:
-                time.sleep(3600)
-        if self._take("sigterm", at):
-            os.kill(os.getpid(), signal.SIGTERM)
-            _await_preemption_notice()
-        # every step from S sleeps, also in an incarnation that restored past S (with :repeat;
-        # without it the spec has fired in the incarnation that reached S)
-        slow = self._take("slow", at, since=True)
-        if slow is not None:
-            self._slow = slow.seconds
-        if self._slow:
-            time.sleep(self._slow)
-        self._maybe_lose_host(at)
-        if any(s.kind == "corrupt" and s.step == at for s in self.specs):
-            if self.wait_for_saves is not None:
-                self.wait_for_saves()  # the newest checkpoint is the committed one
-            self._take("corrupt", at)
-            corrupt_newest(self.run.file(runlog.CHECKPOINTS))
+        for kind in fault_kinds.at("before_step"):
+            IMPLEMENTATIONS[kind](self, at)
+
+    def on_state(self, step: int, state: dict) -> dict:
+        """The state step `step` (0-based) will run on, after the faults that change it."""
+        for kind in fault_kinds.at("on_state"):
+            state = IMPLEMENTATIONS[kind](self, step + 1, state)
+        return state
 
     def poison(self, step: int) -> float:
         """Factor multiplied into the loss inside the compiled step (NaN poisons it)."""
-        return float("nan") if self._take("nan", step + 1) else 1.0
-
-    def maybe_diverge(self, step: int, params: dict) -> dict:
-        if not self._take("diverge", step + 1):
-            return params
-        return perturb_local_replicas(params)
-
-    def _maybe_lose_host(self, at: int) -> None:
-        node, nodes, tier_dir = self.node or (0, [[self.process]], None)
-        spec = next((s for s in self.specs if s.kind == "losthost" and s.step == at), None)
-        if spec is None or spec.node != node or self.process != min(nodes[node]):
-            return
-        self.specs.remove(spec)
-        self.run.event(WorkerEvent.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
-                       process=self.process, step=at, node=node)  # fmt: skip
-        if self.wait_for_snapshot is not None:
-            # this process's snapshot writer could otherwise write the tier again after it is
-            # deleted; bounded, in case the writer itself is stuck
-            waiter = threading.Thread(target=self.wait_for_snapshot, daemon=True)
-            waiter.start()
-            waiter.join(timeout=60)
-        lose_host(tier_dir)
+        factor = 1.0
+        for kind in fault_kinds.at("in_step"):
+            factor *= IMPLEMENTATIONS[kind](self, step + 1)
+        return factor
 
     def before_snapshot(self, step: int) -> None:
         """The local tier's hook: snapshot `step` written, its commit marker not yet."""
-        if self._take("killsnap", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        for kind in fault_kinds.at("before_snapshot"):
+            IMPLEMENTATIONS[kind](self, step)
 
     def before_commit(self, step: int) -> None:
         """Orbax's commit hook for the save of `step`: arrays written, not yet committed."""
-        if self._take("killsave", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        for kind in fault_kinds.at("before_commit"):
+            IMPLEMENTATIONS[kind](self, step)
+
+    def name_in(self, error: BaseException) -> None:
+        """Name the injected fault(s) of this process that caused `error` in its message
+        (NonFiniteLoss after nan@S, ...: fault_kinds' `raises`)."""
+        kinds = fault_kinds.raised_as(type(error).__name__)
+        own = [t for t in self.fired if t.partition("@")[0] in kinds]
+        if own and error.args and not getattr(error, "interrupted", False):
+            error.args = (f"{error.args[0]} (injected fault {', '.join(own)})", *error.args[1:])
+
+
+# ---- the implementations, keyed by kind -------------------------------------------------------
+# Called at the kind's injection point (fault_kinds.TABLE) with `at`, the step as the spec counts
+# it: before_step, before_commit and before_snapshot as (faults, at); on_state as (faults, at,
+# state) -> state; in_step as (faults, at) -> the factor multiplied into loss and gradients.
+
+
+def _kill(f: Faults, at: int) -> None:
+    if f._take("kill", at):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hang(f: Faults, at: int) -> None:
+    if f._take("hang", at):
+        # as a real hang inside a step: this process arrived at the step (its progress
+        # heartbeat says so), then makes no progress; jax's own heartbeats continue
+        bootstrap.heartbeat(f.run.path, at - 1)
+        while True:
+            time.sleep(3600)
+
+
+def _sigterm(f: Faults, at: int) -> None:
+    if f._take("sigterm", at):
+        os.kill(os.getpid(), signal.SIGTERM)
+        _await_preemption_notice()
+
+
+def _slow(f: Faults, at: int) -> None:
+    # A failure at S happens as soon as step S-1 is done (before any `slow` sleep): a hang's
+    # time without progress starts at its `fault_injected` event. Every step from S sleeps, also
+    # in an incarnation that restored past S (with :repeat; without it the spec has fired in the
+    # incarnation that reached S).
+    slow = f._take("slow", at, since=True)
+    if slow is not None:
+        f._slow = slow.seconds
+    if f._slow:
+        time.sleep(f._slow)
+
+
+def _losthost(f: Faults, at: int) -> None:
+    node, nodes, tier_dir = f.node or (0, [[f.process]], None)
+    spec = next((s for s in f.specs if s.kind == "losthost" and s.step == at), None)
+    if spec is None or spec.node != node or f.process != min(nodes[node]):
+        return
+    f.specs.remove(spec)
+    f.run.event(WorkerEvent.FAULT_INJECTED, all_processes=True, kind=spec.kind, spec=spec.text,
+                process=f.process, step=at, node=node)  # fmt: skip
+    if f.wait_for_snapshot is not None:
+        # this process's snapshot writer could otherwise write the tier again after it is
+        # deleted; bounded, in case the writer itself is stuck
+        waiter = threading.Thread(target=f.wait_for_snapshot, daemon=True)
+        waiter.start()
+        waiter.join(timeout=60)
+    lose_host(tier_dir)
+
+
+def _corrupt(f: Faults, at: int) -> None:
+    if any(s.kind == "corrupt" and s.step == at for s in f.specs):
+        if f.wait_for_saves is not None:
+            f.wait_for_saves()  # the newest checkpoint is the committed one
+        f._take("corrupt", at)
+        corrupt_newest(f.run.file(runlog.CHECKPOINTS))
+
+
+def _diverge(f: Faults, at: int, state: dict) -> dict:
+    if not f._take("diverge", at):
+        return state
+    state["params"] = perturb_local_replicas(state["params"])
+    return state
+
+
+def _nan(f: Faults, at: int) -> float:
+    return float("nan") if f._take("nan", at) else 1.0
+
+
+def _killsave(f: Faults, step: int) -> None:
+    if f._take("killsave", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killsnap(f: Faults, step: int) -> None:
+    if f._take("killsnap", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "kill": _kill, "hang": _hang, "sigterm": _sigterm, "slow": _slow, "losthost": _losthost,
+    "corrupt": _corrupt, "diverge": _diverge, "nan": _nan, "killsave": _killsave,
+    "killsnap": _killsnap,
+}  # fmt: skip
 
 
 def lose_host(tier_dir: str | None) -> None:

@@ -575,11 +575,8 @@ def _run_locked(
         hooks = _hooks(s, ckpt, inject, tier, int(state["step"]), progress)
         try:
             last = _loop(s, ckpt, hooks, compiled, state, t_start, inject)
-        except (NonFiniteLoss, ReplicaMismatch, Preempted) as e:
-            kind = {NonFiniteLoss: "nan", ReplicaMismatch: "diverge", Preempted: "sigterm"}
-            own = [t for t in inject.fired if t.partition("@")[0] == kind[type(e)]]
-            if own and not getattr(e, "interrupted", False):  # name an injected fault as such
-                e.args = (f"{e.args[0]} (injected fault {', '.join(own)})", *e.args[1:])
+        except BaseException as e:
+            inject.name_in(e)  # an error an injected fault caused names it (fault_kinds.raises)
             raise
     finally:
         pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
@@ -617,7 +614,7 @@ def _hooks(
     # next; before any cross-process sync, so a slow process shows up late here, stragglers, and
     # a hung one not at all), then faults on the state the step will run on
     def state_faults(c: StepContext) -> None:
-        c.state["params"] = inject.maybe_diverge(c.step, c.state["params"])
+        c.state = inject.on_state(c.step, c.state)
 
     hooks.add("faults", lambda c: inject.before_step(c.step), when=BEFORE)
     hooks.add("heartbeat", lambda c: bootstrap.heartbeat(s.run.path, c.step), when=BEFORE)

@@ -39,8 +39,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
+from jaxpar import _compat
 from jaxpar.engine.mesh import REPLICA_AXES
-from jaxpar.recovery import compile_cache, orbax_loop, save_watch
+from jaxpar.recovery import compile_cache, save_watch
 from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import WorkerEvent, write_json
 from jaxpar.rundir.writer import RunDir
@@ -108,7 +109,7 @@ class _DiskFullLogFilter(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DiskFullLogFilter())
-orbax_loop.install()  # a failed save or restore: no "Event loop is closed" tracebacks
+_compat.drain_orbax_event_loops()  # a failed save or restore: no "Event loop is closed" tracebacks
 save_watch.install()  # a write that failed here is raised at once, not after orbax's barriers
 
 

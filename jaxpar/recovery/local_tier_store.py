@@ -12,6 +12,8 @@ import os
 
 import jax
 
+from jaxpar import _compat
+
 DATA, MARKER = "data.bin", "commit.json"
 SLOTS = 2
 
@@ -125,9 +127,7 @@ def kv_client():
     Orbax uses the same client for its cross-process metadata."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed  # noqa: PLC0415
-
-    return distributed.global_state.client
+    return _compat.distributed_client()
 
 
 def exchange(tag: str, obj, timeout_s: float = 300.0) -> list:

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from jaxpar import _compat
 from jaxpar.recovery import local_tier_store as snap
 from jaxpar.rundir.runlog import WorkerEvent
 
@@ -37,9 +38,7 @@ def _host() -> str:
     """This process's address as the other processes reach it (that of the coordinator route)."""
     coord = os.environ.get("JAXPAR_COORDINATOR", "")
     if not coord:
-        from jax._src import distributed  # noqa: PLC0415
-
-        coord = distributed.global_state.coordinator_address or ""
+        coord = _compat.coordinator_address() or ""
     host = coord.rsplit(":", 1)[0].strip("[]")
     if not host or host in LOOPBACK:
         return "127.0.0.1"

@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from orbax.checkpoint._src.checkpointers import async_checkpointer
+from jaxpar import _compat
 
 POLL_S = 0.05  # how often `wait` looks for a recorded failure
 
@@ -65,20 +65,12 @@ def wait(finish: Callable[[], None], root: str) -> None:
         raise recorded
 
 
+def _record(directory: str, error: BaseException) -> None:
+    if not isinstance(error, _CANCELLED):
+        with _lock:
+            _failed[directory] = error
+
+
 def install() -> None:
     """Record the errors of orbax's background writes (idempotent)."""
-    original = async_checkpointer._background_wait_for_commit_futures
-    if getattr(original, "jaxpar_watched", False):
-        return
-
-    def watched(directory, *args, **kwargs):
-        try:
-            return original(directory, *args, **kwargs)
-        except BaseException as e:
-            if not isinstance(e, _CANCELLED):
-                with _lock:
-                    _failed[str(directory)] = e
-            raise
-
-    watched.jaxpar_watched = True
-    async_checkpointer._background_wait_for_commit_futures = watched
+    _compat.watch_orbax_commit_errors(_record)

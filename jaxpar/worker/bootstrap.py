@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxpar import _compat
 from jaxpar.rundir import runlog
 
 # Worker exit codes the supervisor understands (anything else non-zero is cause `exit`).
@@ -61,7 +62,12 @@ HEARTBEAT_DIR = runlog.HEARTBEATS
 STACKS_DIR = runlog.STACKS
 _HISTORY = 16  # (step, time) pairs kept in a progress heartbeat, for straggler detection
 
-_state: dict[str, Any] = {"hb_dir": None, "history": [], "stack_file": None}
+_state: dict[str, Any] = {
+    "hb_dir": None,
+    "history": [],
+    "stack_file": None,
+    "versions_checked": False,
+}
 
 
 def configure_devices() -> None:
@@ -121,6 +127,7 @@ def initialize_from_env() -> bool:
     kind = detect_cluster()
     die_with_supervisor()
     if kind is None:
+        warn_versions()
         return False
     import jax
 
@@ -141,7 +148,20 @@ def initialize_from_env() -> bool:
     else:
         jax.distributed.initialize(cluster_detection_method=kind, **kwargs)
     install_stack_dump()
+    if jax.process_index() == 0:
+        warn_versions()
     return True
+
+
+def warn_versions() -> None:
+    """Print `_compat.check_versions()`'s warnings to stderr, once per process: the installed
+    jax, jaxlib or orbax-checkpoint differs from the version jaxpar's use of its internals was
+    tested with (nothing with constraints.txt's pins). Process 0's set-up calls it."""
+    if _state["versions_checked"]:
+        return
+    _state["versions_checked"] = True
+    for line in _compat.check_versions():
+        print(f"jaxpar: warning: {line}", file=sys.stderr, flush=True)
 
 
 def barrier(name: str) -> None:
@@ -154,10 +174,8 @@ def barrier(name: str) -> None:
     """
     if not distributed_active():
         return
-    from jax._src import distributed
-
     timeout_s = max(300, timeouts_from_env()["shutdown_timeout_seconds"])
-    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+    _compat.distributed_client().wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
 
 
 def die_with_supervisor() -> None:
@@ -262,10 +280,9 @@ def read_heartbeat(path: str) -> dict | None:
 
 def distributed_active() -> bool:
     try:
-        from jax._src import distributed
-    except ImportError:
+        return _compat.distributed_client() is not None
+    except ImportError:  # no jax
         return False
-    return distributed.global_state.client is not None
 
 
 # An XLA status as jax raises it outside JaxRuntimeError: with one device per process a gloo

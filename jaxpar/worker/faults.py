@@ -439,7 +439,7 @@ def _await_preemption_notice(timeout_ms: int = 30_000) -> None:
     jax's SIGTERM listener looks for the signal once a second, so without this the notice may
     reach the other processes only after the last step, and the run ends without the coordinated
     save the fault is meant to cause. A no-op outside a multi-process job."""
-    from jax._src import distributed  # the client jax.distributed.initialize made
+    from jaxpar._compat import jax_distributed as distributed  # jax.distributed.initialize made
 
     client = distributed.global_state.client
     if client is None:

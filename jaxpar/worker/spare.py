@@ -23,6 +23,7 @@ import runpy
 import shutil
 import sys
 
+from jaxpar import _compat
 from jaxpar.worker import bootstrap
 
 # Imported ahead of need: what a jaxpar worker imports before its first step.
@@ -63,9 +64,12 @@ def preload(command_module: str | None) -> None:
 
 
 def backend_initialised() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", {}))
+    """Whether jax created a backend here (True too when this jax hides that: then the spare
+    execs the command, which is always correct; the worker warns about the jax version)."""
+    try:
+        return _compat.xla_backends_initialized()
+    except _compat.InternalChanged:
+        return True
 
 
 def can_run_here(env: dict[str, str], argv: list[str]) -> bool:

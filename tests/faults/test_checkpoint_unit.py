@@ -21,6 +21,7 @@ import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src import asyncio_utils  # patched by jaxpar._compat (checkpoint import)
 
 from jaxpar.engine.mesh import make_mesh
 from jaxpar.recovery.checkpoint import (
@@ -32,7 +33,6 @@ from jaxpar.recovery.checkpoint import (
     checksums,
     replica_mismatches,
 )
-from jaxpar.recovery.orbax_loop import asyncio_utils
 from jaxpar.rundir.writer import RunDir
 from jaxpar.worker.faults import (
     Faults,

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxpar import _compat
+
 if TYPE_CHECKING:
     from jaxpar.config import TrainConfig
     from jaxpar.engine.rules import Preset
@@ -146,11 +148,9 @@ def jax_devices() -> str:
     if jax is None:
         return "not imported by this process"
     try:
-        from jax._src import xla_bridge
-
-        if not xla_bridge.backends_are_initialized():
+        if not _compat.xla_backends_initialized():
             return "imported, no backend initialized"
-    except (ImportError, AttributeError):
+    except _compat.InternalChanged:
         pass  # another jax version: ask jax itself
     try:
         devices = jax.devices()

@@ -120,7 +120,6 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     from the preset's rules, and `Job.init()` creates the state already sharded.
     """
     import jax
-    import numpy as np
 
     from jaxpar.data import sources as data_lib
     from jaxpar.engine.mesh import make_mesh
@@ -138,9 +137,7 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     raw = program.train_step
 
     def train_step(state, batch):
-        # The engine's step takes a fault-injection scale; a user's step never injects faults,
-        # so it is the constant 1.0 here and XLA folds it away.
-        return raw(state, batch, np.float32(1.0))
+        return raw(state, batch)
 
     # The engine's jitted step fixes the shardings of what goes in and out.
     step = jax.jit(train_step, donate_argnums=0)

@@ -40,7 +40,6 @@ def _xla_flags(existing: str, devices: int) -> str:
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 
 import dataclasses
-import inspect
 import subprocess
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,6 @@ import pytest
 
 jax.config.update("jax_threefry_partitionable", True)  # random bits independent of sharding
 
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import TrainConfig, resolve_recipe
 from jaxpar.data import sources as data_lib
@@ -207,20 +205,6 @@ def device_batch(b: Built, step: int) -> dict:
     return data_lib.to_device(rows, b.program.batch_shardings, b.cfg.data.global_batch)
 
 
-def _extra_step_args(b: Built, abstract: bool) -> tuple:
-    """Arguments of train_step after (state, batch): `poison` (1.0 = no fault) if it takes one."""
-    params = list(inspect.signature(b.program.train_step).parameters)
-    extra = params[2:]
-    if extra not in ([], ["poison"]):
-        raise AssertionError(f"train_step{tuple(params)}: tests know (state, batch[, poison])")
-    if not extra:
-        return ()
-    sharding = NamedSharding(b.mesh, PartitionSpec())
-    if abstract:
-        return (jax.ShapeDtypeStruct((), np.float32, sharding=sharding),)
-    return (jax.device_put(np.float32(1.0), sharding),)
-
-
 def compile_train_step(b: Built):
     """The AOT-compiled train step (what the trainer runs; audits read its HLO)."""
     spec = data_lib.batch_spec(b.source, b.cfg.data.global_batch)
@@ -228,9 +212,7 @@ def compile_train_step(b: Built):
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b.program.batch_shardings[k])
         for k, v in spec.items()
     }
-    lowered = b.program.train_step.lower(
-        b.program.abstract_state, abs_batch, *_extra_step_args(b, abstract=True)
-    )
+    lowered = b.program.train_step.lower(b.program.abstract_state, abs_batch)
     return lowered.compile()
 
 
@@ -280,10 +262,9 @@ def train(c: Compiled, init=None) -> RunResult:
     """Run the compiled step for cfg.train.steps steps from `init()` (default: the program's)."""
     b = c.built
     state = (init or b.program.init)()
-    extra = _extra_step_args(b, abstract=False)
     losses, norms, grads = [], [], None
     for step in range(b.cfg.train.steps):
-        state, metrics = c.step(state, device_batch(b, step), *extra)
+        state, metrics = c.step(state, device_batch(b, step))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
         if step == 0:  # before the next step donates this state

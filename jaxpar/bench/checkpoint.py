@@ -26,8 +26,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.bench.harness import Bench, table
 
@@ -90,11 +88,10 @@ def measure_throughput(s, state, rounds: int, every: int) -> tuple[dict, dict]:
     from jaxpar.worker import training
 
     compiled, _ = training.compile_step(s)
-    one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
     run = RunDir(os.path.join(s.run.path, "throughput"), incarnation=0)
     shutil.rmtree(run.file("checkpoints"), ignore_errors=True)
     ckpt = _checkpointer(run, use_async=True)
-    state, m = compiled(state, training.device_batch(s, 0), one)  # first call outside timing
+    state, m = compiled(state, training.device_batch(s, 0))  # first call outside timing
     jax.block_until_ready(m)
     seconds = {"none": 0.0, "saves": 0.0}
     step, saves = 1, 0
@@ -102,7 +99,7 @@ def measure_throughput(s, state, rounds: int, every: int) -> tuple[dict, dict]:
         for kind in ("none", "saves") if r % 2 == 0 else ("saves", "none"):
             t0 = time.time()
             for i in range(every):
-                state, m = compiled(state, training.device_batch(s, step), one)
+                state, m = compiled(state, training.device_batch(s, step))
                 jax.device_get(m["loss"])  # the loop syncs on the loss every step
                 step += 1
                 if kind == "saves" and i == 0:
@@ -133,7 +130,6 @@ def measure_local_tier(s, state, rounds: int, every: int) -> tuple[dict, dict]:
     from jaxpar.worker import training
 
     compiled, _ = training.compile_step(s)
-    one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
     run = RunDir(os.path.join(s.run.path, "local-tier"), incarnation=0)
     os.makedirs(run.path, exist_ok=True)
     tier = local_tier.LocalTier(run, s.program.abstract_state, every=1,
@@ -149,7 +145,7 @@ def measure_local_tier(s, state, rounds: int, every: int) -> tuple[dict, dict]:
             for kind in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 t0 = time.time()
                 for _ in range(every):
-                    state, m = compiled(state, training.device_batch(s, step), one)
+                    state, m = compiled(state, training.device_batch(s, step))
                     jax.device_get(m["loss"])
                     step += 1
                     if kind == "on":

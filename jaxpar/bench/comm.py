@@ -14,7 +14,6 @@ import tempfile
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.bench.harness import Bench, table
 from jaxpar.config import CommConfig
@@ -42,10 +41,9 @@ def _measure(b: Bench, cfg, steps: int) -> tuple[float, float, float]:
             sync_bytes = collectives.total_wire_bytes(collectives.audit(sync, s.mesh), data)
             per_step += sync_bytes / s.program.sync_every
         state = s.program.init()
-        one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
         loss = float("nan")
         for i in range(steps):
-            state, m = compiled(state, device_batch(s, i), one)
+            state, m = compiled(state, device_batch(s, i))
             if s.program.sync_every and (i + 1) % s.program.sync_every == 0:
                 state = s.program.sync_step(state)
             loss = float(np.mean(jax.device_get(m["loss"])))

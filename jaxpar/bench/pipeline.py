@@ -28,7 +28,6 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.bench.harness import Bench, table
 from jaxpar.config import PipelineConfig, TrainConfig
@@ -63,14 +62,13 @@ def _time_group(cfgs: list[TrainConfig], p: int, rounds: int) -> list[list[float
         for i, cfg in enumerate(cfgs):
             s = setup(cfg, preset, os.path.join(tmp, str(i)), devices=jax.devices()[:p])
             compiled, _ = compile_step(s)
-            one = jax.device_put(np.float32(1.0), NamedSharding(s.mesh, PartitionSpec()))
-            runs.append([compiled, s.program.init(), device_batch(s, 0), one])
+            runs.append([compiled, s.program.init(), device_batch(s, 0)])
     times = [[] for _ in cfgs]
     for r in range(rounds + 1):
         for i, run in enumerate(runs):
-            compiled, state, batch, one = run
+            compiled, state, batch = run
             t0 = time.perf_counter()
-            run[1], metrics = compiled(state, batch, one)
+            run[1], metrics = compiled(state, batch)
             jax.block_until_ready(metrics["loss"])
             if r:
                 times[i].append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ builds the Program around it. What a strategy provides:
     state_shardings()        shardings of "opt" and of any state entries it adds
     init_state(state)        fills "opt" (and its entries) from {"step", "params", "rng"}
     gradients(params, batch, key, extra) -> (loss, aux, grads, extra)
-    step(state, batch, key, poison) -> (state, metrics)   default: gradients + optimizer update
+    step(state, batch, key) -> (state, metrics)   default: gradients + optimizer update
     sync_step / sync_every   an optional state -> state program run every `sync_every` steps
 
 `extra` holds the state entries the strategy updates besides params and opt: its own
@@ -116,12 +116,11 @@ class Strategy:
         )
         return loss, aux, grads, with_model_state(extra, mstate)
 
-    def step(self, state: dict, batch: dict, key: jax.Array, poison: jax.Array):
+    def step(self, state: dict, batch: dict, key: jax.Array):
         ctx = self.ctx
         extra = {k: state[k] for k in self.state_keys}
         with activation_rules(ctx.mesh, ctx.act_rules):
             loss, aux, grads, extra = self.gradients(state["params"], batch, key, extra)
-        loss, grads = poisoned(poison, loss, grads)
         updates, opt = ctx.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -138,11 +137,6 @@ def model_state(extra: dict) -> dict:
 
 def with_model_state(extra: dict, mstate: dict) -> dict:
     return {**extra, STATE_KEY: mstate} if STATE_KEY in extra else extra
-
-
-def poisoned(poison: jax.Array, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
-    """`poison` is 1.0, or NaN when a fault injects a non-finite step (jaxpar/worker/faults.py)."""
-    return loss * poison, jax.tree.map(lambda g: g * poison, grads)
 
 
 # ---- microbatches --------------------------------------------------------------------------------

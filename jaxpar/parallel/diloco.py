@@ -30,7 +30,6 @@ from jaxpar.parallel.base import (
     Context,
     Strategy,
     over_data,
-    poisoned,
     replica_gradients,
 )
 
@@ -79,10 +78,10 @@ class DiLoCo(Strategy):
             "outer": self.outer_tx.init(params), "replicas": replicas,
         }  # fmt: skip
 
-    def step(self, state, batch, key, poison):
+    def step(self, state, batch, key):
         mstate = state.get(STATE_KEY, {})
         replicas, opt, mstate, metrics = self._inner(
-            state["replicas"], state["opt"], mstate, batch, key, poison
+            state["replicas"], state["opt"], mstate, batch, key
         )
         if self.ctx.schedule is not None:
             metrics["lr"] = self.ctx.schedule(state["step"])
@@ -104,11 +103,10 @@ class DiLoCo(Strategy):
         """One optimizer step on every replica's own rows; no collective crosses `data`."""
         ctx = self.ctx
 
-        def local(replicas, opt, mstate, batch, key, poison):
+        def local(replicas, opt, mstate, batch, key):
             params = jax.tree.map(lambda r: r[0], replicas)
             opt = jax.tree.map(lambda o: o[0] if o.ndim else o, opt)
             loss, aux, grads, mstate = replica_gradients(ctx, params, mstate, batch, key)
-            loss, grads = poisoned(poison, loss, grads)
             updates, opt = ctx.tx.update(grads, opt, params)
             params = optax.apply_updates(params, updates)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -118,4 +116,4 @@ class DiLoCo(Strategy):
                 jax.tree.map(add, metrics),
             )  # fmt: skip
 
-        return over_data(ctx, local, (ROWS, ROWS, REP, ROWS, REP, REP), (ROWS, ROWS, REP, ROWS))
+        return over_data(ctx, local, (ROWS, ROWS, REP, ROWS, REP), (ROWS, ROWS, REP, ROWS))

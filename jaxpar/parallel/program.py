@@ -207,9 +207,9 @@ def build_program(
             state[STATE_KEY] = mstate
         return strategy.init_state(state)
 
-    def train_step(state, batch, poison):
+    def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        return strategy.step(state, batch, key, poison)
+        return strategy.step(state, batch, key)
 
     eval_step = make_eval_step(mdef, loss, mesh, act_rules, prec)
     sync = None
@@ -228,7 +228,7 @@ def build_program(
         batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
         init=jax.jit(init, out_shardings=state_sh),
         train_step=jax.jit(
-            train_step, in_shardings=(state_sh, b_sh, replicated),
+            train_step, in_shardings=(state_sh, b_sh),
             out_shardings=(state_sh, metrics_sh), donate_argnums=0,
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),

@@ -14,7 +14,6 @@ Injection points (`at`), in the order they come at step S:
     before_step      the process arrives at step S (steps < S complete and logged), before its
                      progress heartbeat; kill, hang and sigterm fire before a `slow` sleep
     on_state         the training state, just before step S's compiled step (a function of it)
-    in_step          the factor multiplied into step S's loss and gradients (NaN poisons them)
     before_commit    orbax's commit hook for the save of step S: arrays written, not committed
                      (runs on process 0)
     before_snapshot  the local tier's hook: snapshot S written, its commit marker not yet
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POINTS = ("before_step", "on_state", "in_step", "before_commit", "before_snapshot")
+POINTS = ("before_step", "on_state", "before_commit", "before_snapshot")
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,9 @@ TABLE: tuple[FaultKind, ...] = (
               "newest committed checkpoint"),
     FaultKind("diverge", "on_state", False, "ReplicaMismatch", "diverge@S[:process=P]",
               "perturbs that process's replica of the parameters (caught at the next save)"),
-    FaultKind("nan", "in_step", True, "NonFiniteLoss", "nan@S",
-              "poisons loss and gradients inside step S's compiled step on every process "
-              "(process P logs it): the loss is non-finite, exit 44"),
+    FaultKind("nan", "on_state", True, "NonFiniteLoss", "nan@S",
+              "multiplies the parameters by NaN just before step S on every process (process P "
+              "logs it): the step's loss and gradients are non-finite, exit 44"),
     FaultKind("killsave", "before_commit", True, None, "killsave@S",
               "SIGKILL after the step-S checkpoint wrote its arrays, before its commit"),
     FaultKind("killsnap", "before_snapshot", True, None, "killsnap@S[:process=P]",

@@ -8,10 +8,10 @@ implementations are `IMPLEMENTATIONS` below, keyed by kind.
 `@S` fires when the process is about to start step S (steps < S are complete and logged). A spec
 fires once per run directory (its `fault_injected` event is the record); `:repeat` fires in
 every incarnation. `process=P` (default 0) is the process index in the incarnation that fires.
-`nan` poisons the step on every process (the process P logs it); `killsave` fires in orbax's
-commit hook, which runs on process 0; `corrupt` first waits for an in-flight save to commit.
-`losthost` fires in the lowest-numbered process of node N (nodes as the local tier counts them:
-jaxpar/recovery/peer_tier.py); its workers die with their agent.
+`nan` poisons the parameters on every process (the process P logs it); `killsave` fires in
+orbax's commit hook, which runs on process 0; `corrupt` first waits for an in-flight save to
+commit. `losthost` fires in the lowest-numbered process of node N (nodes as the local tier counts
+them: jaxpar/recovery/peer_tier.py); its workers die with their agent.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ class Faults:
     """The faults of this process in this incarnation; the loop calls the injection points below
     (fault_kinds.POINTS), each of which runs the implementations of its kinds in table order.
 
-    `nan` poisons the step on every process (the poison scalar is replicated, so all processes
-    must agree on it); the process named by `process=P` records the event. Every other kind
-    acts only in process P. `killsave` fires in orbax's commit hook, which runs on process 0.
+    `nan` poisons the parameters on every process (each process runs its part of the same
+    jitted program); the process named by `process=P` records the event. Every other kind acts
+    only in process P. `killsave` fires in orbax's commit hook, which runs on process 0.
     """
 
     def __init__(self, specs: list[FaultSpec], run: RunDir, process_index: int):
@@ -180,13 +180,6 @@ class Faults:
             state = IMPLEMENTATIONS[kind](self, step + 1, state)
         return state
 
-    def poison(self, step: int) -> float:
-        """Factor multiplied into the loss inside the compiled step (NaN poisons it)."""
-        factor = 1.0
-        for kind in fault_kinds.at("in_step"):
-            factor *= IMPLEMENTATIONS[kind](self, step + 1)
-        return factor
-
     def before_snapshot(self, step: int) -> None:
         """The local tier's hook: snapshot `step` written, its commit marker not yet."""
         for kind in fault_kinds.at("before_snapshot"):
@@ -209,7 +202,7 @@ class Faults:
 # ---- the implementations, keyed by kind -------------------------------------------------------
 # Called at the kind's injection point (fault_kinds.TABLE) with `at`, the step as the spec counts
 # it: before_step, before_commit and before_snapshot as (faults, at); on_state as (faults, at,
-# state) -> state; in_step as (faults, at) -> the factor multiplied into loss and gradients.
+# state) -> the state the step runs on.
 
 
 def _kill(f: Faults, at: int) -> None:
@@ -276,8 +269,12 @@ def _diverge(f: Faults, at: int, state: dict) -> dict:
     return state
 
 
-def _nan(f: Faults, at: int) -> float:
-    return float("nan") if f._take("nan", at) else 1.0
+def _nan(f: Faults, at: int, state: dict) -> dict:
+    if not f._take("nan", at):
+        return state
+    key = "replicas" if "replicas" in state else "params"  # DiLoCo steps on per-replica copies
+    state[key] = times_nan(state[key])
+    return state
 
 
 def _killsave(f: Faults, step: int) -> None:
@@ -310,6 +307,19 @@ def lose_host(tier_dir: str | None) -> None:
         if tier_dir:
             shutil.rmtree(tier_dir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def times_nan(tree: dict) -> dict:
+    """Every floating leaf of `tree` multiplied by NaN, by a separately jitted program (donated;
+    each leaf keeps its sharding), so that the step after it has a non-finite loss and gradients
+    on every process. Compiled only when a `nan` fault fires; no collective."""
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+
+    def poison(t):
+        nan = lambda x: x * jnp.asarray(jnp.nan, x.dtype)  # noqa: E731
+        return jax.tree.map(lambda x: nan(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+
+    return jax.jit(poison, out_shardings=shardings, donate_argnums=0)(tree)
 
 
 def perturb_local_replicas(params: dict) -> dict:

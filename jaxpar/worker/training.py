@@ -162,8 +162,7 @@ def _abstract_batch(s: Session) -> dict:
 def compile_step(s: Session):
     """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
     t0 = time.time()
-    poison = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(s.mesh, PartitionSpec()))
-    lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s), poison)
+    lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s))
     compiled, _ = compile_cache.compile(lowered, "train_step")
     return compiled, time.time() - t0
 
@@ -505,11 +504,9 @@ def _warm_step(s: Session, compiled) -> None:
 
     try:
         state = jax.tree.map(zeros, s.program.abstract_state)
-        replicated = NamedSharding(s.mesh, PartitionSpec())
-        one = jax.make_array_from_callback((), replicated, lambda _: np.float32(1.0))
         t0 = time.time()
         warm_replica_check(state, s.mesh)  # what a restore runs on the state it read
-        jax.block_until_ready(compiled(state, device_batch(s, 0), one))
+        jax.block_until_ready(compiled(state, device_batch(s, 0)))
         print(f"jaxpar: standby warm-up step ran ({time.time() - t0:.2f}s)", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - the standby still goes, its first step is colder
         print(f"jaxpar: standby warm-up step skipped ({type(e).__name__}: {e})", file=sys.stderr)
@@ -574,7 +571,7 @@ def _run_locked(
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         hooks = _hooks(s, ckpt, inject, tier, int(state["step"]), progress)
         try:
-            last = _loop(s, ckpt, hooks, compiled, state, t_start, inject)
+            last = _loop(s, ckpt, hooks, compiled, state, t_start)
         except BaseException as e:
             inject.name_in(e)  # an error an injected fault caused names it (fault_kinds.raises)
             raise
@@ -650,11 +647,10 @@ def _hooks(
     return hooks
 
 
-def _loop(s, ckpt, hooks: Hooks, compiled, state, t_start, inject) -> int:
+def _loop(s, ckpt, hooks: Hooks, compiled, state, t_start) -> int:
     """Train from the state's step to cfg.train.steps; returns the last step completed."""
     cfg = s.cfg
     start = int(state["step"])
-    replicated = NamedSharding(s.mesh, PartitionSpec())
     for step in range(start, cfg.train.steps):
         stop = _stop_requested(s, ckpt, step, t_start)
         if stop:
@@ -672,12 +668,8 @@ def _loop(s, ckpt, hooks: Hooks, compiled, state, t_start, inject) -> int:
         hooks.run(BEFORE, ctx)
         state = ctx.state
         batch = device_batch(s, step)
-        # make_array_from_callback, not device_put: device_put checks that every process passes
-        # equal values, and NaN != NaN (it would also add a cross-process check to every step).
-        value = np.float32(inject.poison(step))
-        poison = jax.make_array_from_callback((), replicated, lambda _, v=value: v)
         t0 = time.time()
-        state, m = compiled(state, batch, poison)
+        state, m = compiled(state, batch)
         if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
             state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
         m = jax.device_get(m)

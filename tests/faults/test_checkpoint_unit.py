@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import math
 import os
 import re
 import signal
@@ -344,20 +343,43 @@ def test_fault_specs_parse_and_reject(monkeypatch):
     assert [s.text for s in parse_all(["kill@2", "corrupt@9"])] == ["kill@2", "corrupt@9", "nan@4"]
 
 
+def _poisoned(faults: Faults, step: int) -> bool:
+    """Whether the state step `step` (0-based) runs on has NaN parameters (a nan fault fired)."""
+    state = {"step": jnp.zeros((), jnp.int32), "params": {"w": jnp.ones(4), "n": jnp.arange(2)}}
+    out = faults.on_state(step, state)
+    assert int(out["step"]) == 0 and np.array_equal(out["params"]["n"], [0, 1])
+    return bool(np.isnan(np.asarray(out["params"]["w"])).all())
+
+
 def test_faults_fire_once_per_run_dir_and_repeat_every_time(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     specs = parse_all(["nan@2", "nan@3:repeat", "diverge@2:process=1"])
     first = Faults(specs, run, process_index=0)
-    assert first.poison(0) == 1.0 and math.isnan(first.poison(1)) and math.isnan(first.poison(2))
+    assert [_poisoned(first, step) for step in range(3)] == [False, True, True]
     assert [s.kind for s in first.specs] == []  # diverge@2:process=1 is not process 0's
     again = Faults(specs, RunDir(str(tmp_path / "run")), process_index=0)
-    assert again.poison(1) == 1.0 and math.isnan(again.poison(2))
+    assert [_poisoned(again, 1), _poisoned(again, 2)] == [False, True]
     fired = [e["spec"] for e in run.events() if e["event"] == "fault_injected"]
     assert fired == ["nan@2", "nan@3:repeat", "nan@3:repeat"]
-    # nan poisons every process (the scalar is replicated); only process P logs it
+    # nan poisons every process (each runs its part of the program); only process P logs it
     other = Faults(parse_all(["nan@5:process=1"]), run, process_index=0)
-    assert math.isnan(other.poison(4))
+    assert _poisoned(other, 4)
     assert len([e for e in run.events() if e["event"] == "fault_injected"]) == 3
+
+
+def test_nan_poisons_the_parameters_the_step_runs_on_in_place(tmp_path, meshes8):
+    """Sharded parameters keep their shardings (the compiled step's inputs); DiLoCo's
+    per-replica copies are poisoned, not its anchor."""
+    mesh = meshes8["dp2_fsdp2_tp2"]
+    sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+    w = jax.device_put(np.ones((4, 4), np.float32), sharding)
+    faults = Faults(parse_all(["nan@1"]), RunDir(str(tmp_path / "run")), process_index=0)
+    out = faults.on_state(0, {"params": {"w": w}})
+    assert out["params"]["w"].sharding == sharding and np.isnan(out["params"]["w"]).all()
+    anchor = jax.device_put(np.ones((4, 4), np.float32), sharding)
+    diloco = Faults(parse_all(["nan@1"]), RunDir(str(tmp_path / "dl")), process_index=0)
+    out = diloco.on_state(0, {"params": {"w": anchor}, "replicas": {"w": jnp.ones((2, 4, 4))}})
+    assert np.isnan(out["replicas"]["w"]).all() and not np.isnan(out["params"]["w"]).any()
 
 
 def test_slow_sleeps_from_s_and_after_a_restore_past_s(tmp_path, monkeypatch):

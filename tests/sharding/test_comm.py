@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxpar.config import CommConfig, OptimConfig
 from jaxpar.engine import collectives
@@ -27,10 +27,9 @@ def with_comm(cfg, steps, **comm):
 def run_losses(jp, cfg, layout: str) -> tuple[list[float], object]:
     b = jp.build(cfg, layout)
     state = b.program.init()
-    one = jax.device_put(np.float32(1.0), NamedSharding(b.mesh, PartitionSpec()))
     losses = []
     for step in range(cfg.train.steps):
-        state, m = b.program.train_step(state, jp.device_batch(b, step), one)
+        state, m = b.program.train_step(state, jp.device_batch(b, step))
         if b.program.sync_every and (step + 1) % b.program.sync_every == 0:
             state = b.program.sync_step(state)
         losses.append(float(np.mean(jax.device_get(m["loss"]))))

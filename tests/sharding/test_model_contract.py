@@ -97,8 +97,7 @@ def one_step(jp):
             state = b.program.init()
             batch = jp.device_batch(b, 0)
             evals = jax.device_get(b.program.eval_step(state, batch))
-            one = jax.device_put(np.float32(1.0), jax.NamedSharding(b.mesh, jax.P()))
-            state, metrics = b.program.train_step(state, batch, one)
+            state, metrics = b.program.train_step(state, batch)
             cache[layout] = (b, jax.device_get(state), jax.device_get(metrics), evals)
         return cache[layout]
 
@@ -146,13 +145,12 @@ def test_eval_runs_in_eval_mode_and_dropout_is_keyed_by_step(one_step, jp):
     # Eval: running averages, no dropout: deterministic and not the training loss.
     again = jax.device_get(b.program.eval_step(state, batch))
     assert evals["loss"] == again["loss"] and set(evals) == {"loss", "acc"}
-    one = jax.device_put(np.float32(1.0), jax.NamedSharding(b.mesh, jax.P()))
-    _, m0 = b.program.train_step(b.program.init(), batch, one)
-    _, m0b = b.program.train_step(b.program.init(), batch, one)
+    _, m0 = b.program.train_step(b.program.init(), batch)
+    _, m0b = b.program.train_step(b.program.init(), batch)
     assert float(m0["loss"]) == float(m0b["loss"])  # same step, same dropout mask
     shifted = b.program.init()
     shifted["step"] = shifted["step"] + 1  # another step: another mask on the same batch
-    _, m1 = b.program.train_step(shifted, batch, one)
+    _, m1 = b.program.train_step(shifted, batch)
     assert float(m1["loss"]) != float(m0["loss"])
     assert float(m0["loss"]) != float(evals["loss"])
 

@@ -37,8 +37,7 @@ def _lowered_text(jp, cfg, layout: str) -> str:
     spec = data_lib.batch_spec(b.source, cfg.data.global_batch)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b.program.batch_shardings[k])
              for k, v in spec.items()}  # fmt: skip
-    one = jax.ShapeDtypeStruct((), np.float32, sharding=b.program.state_shardings["step"])
-    return b.program.train_step.lower(b.program.abstract_state, batch, one).as_text()
+    return b.program.train_step.lower(b.program.abstract_state, batch).as_text()
 
 
 def _bf16_dots(text: str) -> int:

@@ -12,7 +12,6 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.recovery.checkpoint import Checkpointer
 from jaxpar.rundir.writer import RunDir
@@ -29,10 +28,9 @@ def host(tree) -> dict:
 
 
 def steps(jp, built, state, start, n) -> tuple[dict, list[float]]:
-    one = jax.device_put(np.float32(1.0), NamedSharding(built.mesh, PartitionSpec()))
     out = []
     for step in range(start, start + n):
-        state, m = built.program.train_step(state, jp.device_batch(built, step), one)
+        state, m = built.program.train_step(state, jp.device_batch(built, step))
         out.append(float(m["loss"]))
     return state, out
 

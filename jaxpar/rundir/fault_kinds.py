@@ -7,7 +7,7 @@ derived from it: `faults.KINDS` (the parser, `python -m train --help`), `runlog.
 the message of the exception it caused. The supervisor and the timeline read it without jax.
 
 A new kind is a row here and its implementation in jaxpar/worker/faults.py (`IMPLEMENTATIONS`,
-keyed by kind); tests/unit/test_fault_kinds.py checks that the two agree.
+keyed by kind); tests/rundir/test_fault_kinds.py checks that the two agree.
 
 Injection points (`at`), in the order they come at step S:
 

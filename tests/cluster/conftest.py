@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from netns_hosts import Hosts, netns_unavailable
-from slurm_cluster import SlurmCluster, ensure_installed
+
+from tests.support.netns_hosts import Hosts, netns_unavailable
+from tests.support.slurm_cluster import SlurmCluster, ensure_installed
 
 REQUIRE = "JAXPAR_REQUIRE_CLUSTER"
 

@@ -18,7 +18,7 @@ import yaml
 
 from jaxpar import cli
 from jaxpar.worker import bootstrap
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 MANIFEST = REPO / "deploy" / "k8s" / "jobset.yaml"
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, SMALL, cpu_env, events, losses
+from tests.support.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
 

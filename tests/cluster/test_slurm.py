@@ -1,4 +1,4 @@
-"""deploy/slurm/jaxpar.sbatch on a real two-node SLURM cluster (tests/cluster/slurm_cluster.py).
+"""deploy/slurm/jaxpar.sbatch on a real two-node SLURM cluster (tests/support/slurm_cluster.py).
 
     python -m pytest tests/cluster -m slurm
 
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, SMALL, cpu_env, events, losses
+from tests.support.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
 

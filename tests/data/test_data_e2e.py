@@ -16,7 +16,7 @@ import pytest
 
 from jaxpar.data import sources as data_lib
 from jaxpar.rundir.runlog import read_jsonl
-from tests.helpers import REPO, cpu_env, losses, ok, run, train_cmd
+from tests.support.helpers import REPO, cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 

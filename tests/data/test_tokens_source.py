@@ -92,7 +92,7 @@ def test_processes_read_disjoint_rows_whose_union_is_the_global_batch(tokens_cor
 
 def test_a_window_may_cross_shards(tokens_corpus, tmp_path):
     from jaxpar.data.prepare import prepare
-    from tests.data.corpus import inputs
+    from tests.support.corpus import inputs
 
     out = tmp_path / "small-shards"
     tok = os.path.join(tokens_corpus, "tokenizer.json")

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from jaxpar.recovery import local_tier
-from tests.helpers import LOCAL_ENV, SMALL, assert_exact, events, losses, ok, run, train_cmd
+from tests.support.helpers import LOCAL_ENV, SMALL, assert_exact, events, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
-from launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
-
 from jaxpar.recovery import local_tier  # noqa: E402
-from tests.helpers import assert_exact  # noqa: E402
+from tests.support.helpers import assert_exact  # noqa: E402
+from tests.support.launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -1,0 +1,84 @@
+"""`jaxpar bench overhead|meshes|pipeline --quick` run as subprocesses and write SUITE.json of the documented
+shape (timings are not asserted: tests never assert on wall-clock time)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from tests.support.helpers import SMALL, cpu_env, ok, run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(suite: str, out: str, *args: str, timeout: float = 900, fast_compile=True) -> dict:
+    """`jaxpar bench SUITE --quick --out OUT [ARGS]` on 8 simulated devices; returns SUITE.json."""
+    cmd = [sys.executable, "-m", "jaxpar.cli", "bench", suite, "--quick", "--out", out, *args]
+    env = cpu_env(fast_compile=fast_compile)
+    text = ok(run(cmd, env=env, timeout=timeout, merge=True)).stdout
+    assert "|---" in text  # the markdown table is printed
+    path = os.path.join(out, f"{suite}.json")
+    assert f"\nwrote {path}\n" in text  # and where its JSON went
+    with open(path) as f:
+        return json.load(f)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_bench_overhead_quick(tmp_path):
+    # timed steps: optimised code; gpt_tiny made smaller (the plain step takes its shapes from
+    # the parameters): what is compared and written is the point here, not the model
+    r = bench("overhead", str(tmp_path), *SMALL, fast_compile=False)
+    assert r["suite"] == "overhead" and r["devices"] == 8
+    assert r["overrides"] == list(SMALL[1::2])  # what was measured is recorded
+    assert _positive(r["ratio"])  # top-level ratio: jaxpar step / plain jax.jit step
+    assert _positive(r["median_step_s_jaxpar"]) and _positive(r["median_step_s_plain"])
+    assert r["ratio"] == pytest.approx(r["median_step_s_jaxpar"] / r["median_step_s_plain"])
+    assert r["reps"] >= 1
+    assert r["max_loss_diff"] < 1e-3  # the two steps train the same model on the same data
+
+
+@pytest.mark.slow
+def test_bench_meshes_quick(tmp_path):
+    r = bench(
+        "meshes", str(tmp_path), "--recipe", "digits_mlp"
+    )  # any recipe, from the command line
+    assert r["suite"] == "meshes" and r["recipe"] == "digits_mlp" and r["layouts"]
+    devices = [row["devices"] for row in r["layouts"]]
+    assert devices[0] == 1 and max(devices) == 8
+    for row in r["layouts"]:
+        assert {"mesh", "devices", "median_step_s", "per_s", "collective_bytes"} <= set(row)
+        assert _positive(row["median_step_s"]) and _positive(row["per_s"])
+        assert isinstance(row["collective_bytes"], int) and row["collective_bytes"] >= 0
+        assert isinstance(row["collectives"], list | dict)  # per (kind, axes, dtype)
+    one = next(row for row in r["layouts"] if row["devices"] == 1)
+    assert one["collective_bytes"] == 0  # one device: nothing to communicate
+    assert all(row["collective_bytes"] > 0 for row in r["layouts"] if row["devices"] > 1)
+
+
+@pytest.mark.slow
+def test_bench_pipeline_quick(tmp_path):
+    # narrower layers (the bench sets 8 of them): the schedules and the fit are the point here
+    r = bench("pipeline", str(tmp_path), "--set", "model.d_model=64", "--set", "model.d_mlp=128")
+    rows = r["rows"]
+    assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
+        (2, m, s) for m in (1, 2, 4) for s in ("gpipe", "circular")
+    }
+    for row in rows:
+        assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
+        assert row["ticks"] >= row["m"] + row["p"] - 1
+        assert 0 < row["bubble_predicted"] < 1 and math.isfinite(row["bubble_measured"])
+    gpipe = [row for row in rows if row["schedule"] == "gpipe"]
+    assert all(
+        row["bubble_predicted"] == pytest.approx(row["bubble_gpipe_formula"]) for row in gpipe
+    )
+    assert {(f["p"], f["schedule"]) for f in r["fits"]} == {(2, "gpipe"), (2, "circular")}
+    blob = (tmp_path / "pipeline.png").read_bytes()  # measured vs predicted bubble, per p
+    assert blob[:8] == PNG and len(blob) > 10_000

@@ -1,0 +1,73 @@
+"""`jaxpar bench recovery --quick`: real 4-process supervised jobs with a SIGKILL, restarted cold,
+through spares + the compiled-program cache from the persistent checkpoint, the same from the
+local snapshot tier, from a standby group (`--standby`) after a kill and after a hang, and a goodput
+run of the standby path under timed kills. Asserts the shape of recovery.json and how the restarts
+came up, never their timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from jaxpar.bench import recovery
+from tests.support.helpers import XLA_TEST_FLAGS, cpu_env, ok, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def test_bench_recovery_quick(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli",
+        "bench",
+        "recovery",
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
+    # from outside the checkout, as an installed user runs it (its jobs must not need `train`);
+    # the tests' XLA flags reach the jobs' workers (fast compiles), their device count does not
+    text = ok(run(args, env=cpu_env(devices=None), timeout=1700, merge=True, cwd=tmp_path)).stdout
+    assert "| restart path |" in text and "| failure every |" in text
+    with open(os.path.join(tmp_path, "recovery.json")) as f:
+        r = json.load(f)
+    assert r["suite"] == "recovery" and r["nproc"] == 2 and r["devices_per_proc"] == 2  # quick: 2
+    assert r["xla_flags"] == XLA_TEST_FLAGS
+    cold, persistent, fast, standby, hang = r["recovery"]
+    modes = ("cold", "persistent", "local", "standby", "standby-hang")
+    assert tuple(m["mode"] for m in r["recovery"]) == modes
+    for mode in r["recovery"]:
+        assert mode["exit_code"] == 0 and mode["incidents"] == 1
+        assert mode["recovery_s"] > 0 and mode["recovery_s"] >= mode["init_s"] > 0
+    # the warm paths came up from the spares with their programs loaded; the cold one did not
+    for mode in (persistent, fast, standby, hang):
+        assert mode["warm_starts"] == 1 and mode["cache_hits"] >= 2
+    assert cold["warm_starts"] == 0 and cold["cache_hits"] == 0
+    assert (cold["paths"], persistent["paths"], standby["paths"]) == (["cold"], ["spares"],
+                                                                       ["standby"])  # fmt: skip
+    assert standby["restore_tiers"] == ["local"] and standby["lost_steps_each"][0] <= 1
+    assert r["standby_s"] == standby["recovery_s"]
+    # the waiting standby group's memory was sampled (2 processes with jax loaded: > 100 MB)
+    assert r["standby_peak_rss_mb"] == standby["standby_peak_rss_mb"] > 100
+    assert standby["group_peak_rss_mb"] > 100 and "memory: a waiting standby group" in text
+    # a hung worker: found by its heartbeats after the hang timeout, then the standby goes
+    assert hang["paths"] == ["standby"] and hang["restore_tiers"] == ["local"]
+    assert hang["causes"] == ["hang"] and cold["causes"] == standby["causes"] == ["signal"]
+    assert (
+        hang["detect_s"] >= recovery.HANG_TIMEOUT_S
+        and r["standby_hang_s"] == hang["recovery_s"] >= hang["detect_s"]
+    )
+    # killed at step 6 with a checkpoint at 3: the persistent tier loses 2 steps, RAM at most 1
+    assert cold["restore_tiers"] == persistent["restore_tiers"] == ["persistent"]
+    assert cold["lost_steps_each"] == persistent["lost_steps_each"] == [2]
+    assert fast["restore_tiers"] == ["local"] and fast["lost_steps_each"][0] <= 1
+    assert r["cold_over_local"] == pytest.approx(cold["recovery_s"] / fast["recovery_s"])
+    (g,) = r["goodput"]  # quick: the standby path only
+    assert g["mode"] == "standby" and g["kills"] == 1 and g["restarts"] >= 1
+    assert 0 < g["goodput"] <= g["goodput_steady"] <= 1
+    assert g["time_lost_s"]["startup"] > 0 and g["time_lost_s"]["signal"] > 0
+    assert g["paths"] and set(g["paths"]) <= {"standby", "spares"}

@@ -1,0 +1,169 @@
+"""Two processes x 4 CPU devices under jax.distributed (gloo): exact resume after a real SIGKILL
+of one worker, a coordinated preemption save after SIGTERM to one worker, and the replica check
+catching one process's diverged parameters. The model is helpers.SMALL (gpt_tiny made smaller: the
+point is the processes, not the model); a `slow` fault on process 0 paces both workers at one step
+every STRAGGLE_S seconds from the step where a signal is sent, so that it lands between two saves.
+
+Workers are started here with the environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
+JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID, JAXPAR_DEVICES_PER_PROC; XLA_FLAGS sets no device
+count), each in its own process group, and are always killed by group at the end.
+
+    python -m pytest tests/recovery/test_resume_2proc.py -m slow
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxpar.worker.bootstrap import EXIT_PREEMPTED
+from tests.support.helpers import SMALL, assert_exact, cpu_env, events, losses
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EXIT_REPLICA = 45  # train/__main__.py
+STRAGGLE_S = 2.0  # process 0 sleeps this long before every step from the `slow` fault's step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pair:
+    """Two `python -m train` workers of one 2-process job (SMALL gpt_tiny, 30 steps, saves every
+    10)."""
+
+    def __init__(self, run_dir: Path, *args: str, faults=()):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        cmd = [sys.executable, "-m", "train", "--steps", "30", "--run-dir", str(run_dir)]
+        cmd += ["--no-progress", "--set", "ckpt.every=10", "--set", "ckpt.local_every=0"]
+        cmd += [*SMALL, *args]
+        for f in faults:
+            cmd += ["--fault", f]
+        self.procs, self.logs = [], []
+        for i in range(2):
+            env = cpu_env(devices=None)  # the tests' flags and the session's compile caches
+            env.update(
+                JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+                JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="4",
+                JAXPAR_HEARTBEAT_TIMEOUT_S="10",
+            )  # fmt: skip
+            log = open(run_dir.parent / f"{run_dir.name}.p{i}.{time.time():.0f}.log", "w")
+            self.logs.append(log)
+            out = {"stdout": log, "stderr": subprocess.STDOUT}
+            self.procs.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **out)
+            )
+
+    def wait(self, timeout: float = 600) -> list[int]:
+        deadline = time.time() + timeout
+        try:
+            return [p.wait(timeout=max(1.0, deadline - time.time())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"2-process run timed out:\n{self.tail()}") from None
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in self.logs:
+            log.close()
+
+    def tail(self) -> str:
+        out = []
+        for log in self.logs:
+            log.flush()
+            with open(log.name) as f:
+                out.append(f"--- {log.name}\n" + f.read()[-3000:])
+        return "\n".join(out)
+
+    def wait_for(self, cond, timeout: float = 600) -> None:
+        deadline = time.time() + timeout
+        while not cond():
+            if time.time() > deadline or any(p.poll() is not None for p in self.procs):
+                self.kill()
+                raise AssertionError(f"condition not reached:\n{self.tail()}")
+            time.sleep(0.2)
+
+
+def committed(run_dir) -> list[int]:
+    path = f"{run_dir}/checkpoints"
+    return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+
+
+def run_pair(run_dir, *args, faults=(), expect=(0, 0)) -> None:
+    pair = Pair(run_dir, *args, faults=faults)
+    codes = pair.wait()
+    assert tuple(codes) == tuple(expect), f"exit codes {codes}:\n{pair.tail()}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref2") / "run"
+    run_pair(run_dir)
+    ref = losses(run_dir)
+    assert sorted(ref) == list(range(1, 31)) and committed(run_dir) == [10, 20, 30]
+    (start,) = events(run_dir, "start")
+    assert start["nproc"] == 2
+    return ref
+
+
+def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    pair = Pair(run_dir, faults=[f"slow@14:process=0:seconds={STRAGGLE_S}"])
+    pair.wait_for(lambda: committed(run_dir) == [10] and max(losses(run_dir) or [0]) >= 13)
+    os.kill(pair.procs[1].pid, signal.SIGKILL)  # a real kill -9 of worker 1, between saves
+    try:
+        pair.procs[0].wait(timeout=90)  # fate sharing: the coordination service aborts it
+    except subprocess.TimeoutExpired:
+        pass
+    survivor = pair.procs[0].poll()
+    pair.kill()
+    assert survivor not in (None, 0), f"the survivor should have failed:\n{pair.tail()}"
+    killed_at = max(losses(run_dir))
+    assert 13 <= killed_at < 20 and committed(run_dir) == [10]
+    run_pair(run_dir)
+    (restore,) = events(run_dir, "restore")
+    assert (restore["step"], restore["from_nproc"], restore["to_nproc"]) == (10, 2, 2)
+    assert_exact(run_dir, reference)
+
+
+def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    pair = Pair(run_dir, faults=[f"slow@13:process=0:seconds={STRAGGLE_S}"])
+    pair.wait_for(lambda: max(losses(run_dir) or [0]) >= 12)
+    os.kill(pair.procs[1].pid, signal.SIGTERM)  # the preemption notice, to worker 1 only
+    codes = pair.wait()
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], f"{codes}:\n{pair.tail()}"
+    pre = events(run_dir, "preempted")
+    assert sorted(e["process"] for e in pre) == [0, 1]
+    (step,) = {e["step"] for e in pre}
+    assert step >= 12 and step in committed(run_dir)
+    run_pair(run_dir)
+    assert events(run_dir, "restore")[0]["step"] == step
+    assert_exact(run_dir, reference)
+
+
+def test_diverged_replica_on_one_process_is_reported(tmp_path):
+    run_dir = tmp_path / "run"
+    run_pair(run_dir, faults=["diverge@5:process=1"], expect=(EXIT_REPLICA, EXIT_REPLICA))
+    (fired,) = events(run_dir, "fault_injected")
+    assert (fired["kind"], fired["process"], fired["step"]) == ("diverge", 1, 5)
+    (bad,) = events(run_dir, "replica_mismatch")
+    assert (bad["when"], bad["step"]) == ("save", 10)
+    assert 10 not in committed(run_dir)

@@ -19,24 +19,29 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import __version__, contract
-from jaxpar.config import TrainConfig, config_hash, hashed_dict, to_dict, validate, warnings_for
+from jaxpar import contract
+from jaxpar.config import TrainConfig, config_hash, to_dict, validate, warnings_for
 from jaxpar.data import sources as data_lib
 from jaxpar.engine.mesh import MeshSpec, make_mesh
 from jaxpar.engine.rules import Preset, validate_rules
 from jaxpar.parallel.program import Program, build_program
-from jaxpar.recovery import compile_cache, local_tier
+from jaxpar.recovery import compile_cache
 from jaxpar.recovery.checkpoint import (
     Checkpointer,
     Preempted,
-    ReplicaMismatch,
-    replica_mismatches,
     say,
     warm_replica_check,
 )
 from jaxpar.recovery.checkpoint import preflight as checkpoint_preflight
+from jaxpar.recovery.tiers import (
+    PersistentTier,
+    Tier,
+    TierSetup,
+    build_tiers,
+    config_meta,
+    restore_newest,
+)
 from jaxpar.rundir import ownership, runlog
 from jaxpar.rundir.runlog import WorkerEvent, write_json
 from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter, mfu, peak_flops, summarize
@@ -228,154 +233,6 @@ METRICS_LINE_KEYS = frozenset(
 )
 
 
-def _checkpointer(s: Session, faults: Faults) -> Checkpointer:
-    cfg = s.cfg
-    meta = {
-        **_config_meta(cfg),
-        "mesh": str(MeshSpec(**dict(s.mesh.shape))),
-        "nproc": jax.process_count(),
-        "jaxpar_version": __version__,
-        "data": {"source": data_lib.source_label(cfg.data.source), "seed": cfg.data.seed},
-    }
-    ckpt = Checkpointer(
-        s.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
-        use_async=cfg.ckpt.use_async, before_commit=faults.before_commit,
-    )  # fmt: skip
-    faults.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
-    ckpt.warm_up(s.program.abstract_state)  # compile the checksums now, not in the first save
-    return ckpt
-
-
-def _config_meta(cfg: TrainConfig) -> dict:
-    return {"config_hash": config_hash(cfg), "config": hashed_dict(cfg)}
-
-
-def _layout_bound_target(s: Session, ckpt: Checkpointer) -> tuple[dict, int | None]:
-    """Restore target, adjusted for state whose shape depends on the data-axis size.
-
-    Error-feedback residuals ("comm", one per data replica) restore only onto the same data
-    size; onto another they are restored as saved and then reset to zero. DiLoCo's per-replica
-    parameters cannot be re-split: that restore is refused with a clear error.
-    Returns (target, data size of the checkpoint when it differs from this mesh's, else None).
-    """
-    target = s.program.abstract_state
-    bound = "comm" in target or s.program.sync_step is not None
-    steps = ckpt.committed_steps() if bound and s.cfg.ckpt.restore != "none" else []
-    if not steps:
-        return target, None
-    step = int(s.cfg.ckpt.restore) if s.cfg.ckpt.restore.isdigit() else steps[-1]
-    old = MeshSpec.parse(ckpt.read_meta(step)["mesh"]).data
-    if old == s.mesh.shape["data"]:
-        return target, None
-    if s.program.sync_step is not None:
-        raise ValueError(
-            f"this DiLoCo checkpoint holds {old} replicas but the mesh has data="
-            f"{s.mesh.shape['data']}; restore it with the same data-axis size"
-        )
-    replicated = NamedSharding(s.mesh, PartitionSpec())
-    comm = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((old, *x.shape[1:]), x.dtype, sharding=replicated),
-        target["comm"],
-    )
-    return {**target, "comm": comm}, old
-
-
-def _local_tier(s: Session, faults: Faults) -> local_tier.LocalTier | None:
-    cfg = s.cfg
-    if cfg.ckpt.local_every == 0:
-        return None
-    binding = {"config_hash": config_hash(cfg), "mesh": str(MeshSpec(**dict(s.mesh.shape)))}
-    return local_tier.LocalTier(
-        s.run, s.program.abstract_state, every=cfg.ckpt.local_every, binding=binding,
-        root=local_tier.default_root(cfg.ckpt.local_dir), before_commit=faults.before_snapshot,
-    )  # fmt: skip
-
-
-def restore_or_init(
-    s: Session, ckpt: Checkpointer, tier: local_tier.LocalTier | None = None
-) -> dict:
-    """The newest complete local snapshot if not older than the newest good checkpoint, else
-    that checkpoint resharded onto this mesh, else a fresh sharded init."""
-    skipped: list[int] = []
-    fallback: dict | None = None  # local snapshots existed but none was used
-    if tier is not None:
-        steps = ckpt.committed_steps() if s.cfg.ckpt.restore == "latest" else []
-        got = tier.restore(steps[-1] if steps else (None if s.cfg.ckpt.restore == "latest" else -1))
-        if got is not None:
-            state, info = got
-            if not replica_mismatches(state, s.mesh):
-                s.run.event(
-                    WorkerEvent.RESTORE, step=info["step"], tier=info["tier"], from_mesh=ckpt.meta["mesh"],
-                    to_mesh=ckpt.meta["mesh"], from_nproc=jax.process_count(),
-                    to_nproc=jax.process_count(), fetched=info["fetched"],
-                    local_skipped=info["skipped"],
-                )  # fmt: skip
-                return state
-            s.run.event(WorkerEvent.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
-                        reason="data-parallel replicas differ")  # fmt: skip
-            skipped = [*info["skipped"], info["step"]]
-            tier.discard()
-            fallback = {"skipped": skipped, "incomplete": []}
-        else:
-            fallback = tier.fallback
-    state, source = _restore_persistent(s, ckpt, skipped)
-    if fallback is not None:
-        _announce_fallback(s, fallback, source, int(state["step"]))
-    if tier is not None:
-        tier.forget_except(int(state["step"]))  # other steps are another timeline
-    return state
-
-
-def _announce_fallback(s: Session, fallback: dict, source: str, step: int) -> None:
-    """Local snapshots were there but none could be used: never a silent step back."""
-    s.run.event(WorkerEvent.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
-                incomplete=fallback["incomplete"])  # fmt: skip
-    if s.run.is_writer:
-        why = []
-        if fallback["skipped"]:
-            why.append(f"step(s) {fallback['skipped']} rejected (see snapshot_rejected)")
-        if fallback["incomplete"]:
-            why.append(f"step(s) {fallback['incomplete']} not held for every process")
-        to = f"the persistent checkpoint of step {step}" if source == "persistent" else "step 0"
-        say(f"warning: no local snapshot usable ({'; '.join(why)}); restarting from {to}")
-
-
-def _restore_persistent(
-    s: Session, ckpt: Checkpointer, local_skipped: list[int]
-) -> tuple[dict, str]:
-    """(state, "persistent" | "init")."""
-    target, old_data = _layout_bound_target(s, ckpt)
-    got = ckpt.restore(target, which=s.cfg.ckpt.restore, force=s.cfg.ckpt.force)
-    if got is None:
-        return s.program.init(), "init"
-    state, meta = got
-    if old_data is not None:  # residuals of another data size: start error feedback afresh
-        state["comm"] = jax.tree.map(
-            lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
-            s.program.abstract_state["comm"],
-        )
-        s.run.event(WorkerEvent.COMM_STATE_RESET, from_data=old_data, to_data=s.mesh.shape["data"])
-    s.run.event(
-        WorkerEvent.RESTORE, step=int(meta["step"]), tier="persistent", from_mesh=meta.get("mesh"),
-        to_mesh=ckpt.meta["mesh"], from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
-        skipped_corrupt=meta.get("skipped", []), local_skipped=local_skipped,
-    )  # fmt: skip
-    check_replicas(s, state, "restore")
-    return state, "persistent"
-
-
-def check_replicas(s: Session, state: dict, when: str) -> None:
-    bad = replica_mismatches(state, s.mesh)  # params and optimizer state
-    if bad:
-        s.run.event(
-            WorkerEvent.REPLICA_MISMATCH, when=when, step=int(state["step"]), params=bad[:20]
-        )
-        raise ReplicaMismatch(
-            f"{len(bad)} parameters differ between data-parallel replicas ({when}, step "
-            f"{int(state['step'])}), e.g. {bad[0]}; restart from the last good checkpoint"
-        )
-
-
 def _stop_requested(s: Session, ckpt: Checkpointer, step: int, t_start: float) -> str | None:
     ckpt.check()  # a background save that failed (a full disk) stops the run now
     if ckpt.reached_preemption(step):
@@ -388,11 +245,6 @@ def _stop_requested(s: Session, ckpt: Checkpointer, step: int, t_start: float) -
         if over:
             return "wall_time"
     return None
-
-
-def _save(s: Session, ckpt: Checkpointer, state: dict, step: int, force: bool = False) -> None:
-    check_replicas(s, state, "save")
-    ckpt.save(step, state, force=force)
 
 
 class NothingToDo(Exception):
@@ -410,7 +262,7 @@ def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
         check_fault_processes([s for s in specs if s.text in faults], jax.process_count())
     ownership.check_path(run_dir)
     ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
-    meta = _config_meta(cfg)
+    meta = config_meta(cfg)
     step = checkpoint_preflight(ckpt_dir, meta, which=cfg.ckpt.restore, force=cfg.ckpt.force)
     if (
         step is not None
@@ -548,41 +400,48 @@ def _run_locked(
             f"device(s), {jax.process_count()} process(es); run directory {s.run.path}"
         )
     inject = Faults(specs, s.run, jax.process_index())
-    ckpt = _checkpointer(s, inject)
-    tier = _local_tier(s, inject)
+    tiers = build_tiers(
+        TierSetup(
+            cfg, s.run, s.mesh, s.program.abstract_state,
+            per_replica_params=s.program.sync_step is not None,
+            before_commit=inject.before_commit, before_snapshot=inject.before_snapshot,
+        )
+    )  # fmt: skip
+    persistent = tiers[-1]
+    ckpt = persistent.checkpointer
+    inject.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
+    local = next((t for t in tiers if t.name == "local"), None)
+    tier = local.snapshots if local is not None else None  # what the faults act on
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
     last = None
     try:
         # Trace, lower and compile (or load) the step while the checkpoint is read: both only
         # need the abstract state, and orbax's reads release the GIL.
         step_program = pool.submit(compile_step, s) if early is None else None
-        copy_program = pool.submit(tier.warm_up) if tier is not None else None
-        state = restore_or_init(s, ckpt, tier)
+        warm = [pool.submit(t.warm_up) for t in tiers]
+        state, _ = restore_newest(tiers, s.program.init)
         compiled, seconds = step_program.result() if early is None else early
         s.run.event(
             WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
         )
-        if copy_program is not None:
-            copy_program.result()
-            s.run.event(WorkerEvent.LOCAL_TIER, **tier.describe())
+        for t, warmed in zip(tiers, warm, strict=True):
+            warmed.result()
+            t.ready()
         inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
         inject.wait_for_snapshot = tier.wait if tier else None
         bootstrap.barrier("jaxpar_compiled")  # the first step's collectives start together
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
-        hooks = _hooks(s, ckpt, inject, tier, int(state["step"]), progress)
+        hooks = _hooks(s, tiers, inject, int(state["step"]), progress)
         try:
-            last = _loop(s, ckpt, hooks, compiled, state, t_start)
+            last = _loop(s, persistent, hooks, compiled, state, t_start)
         except BaseException as e:
             inject.name_in(e)  # an error an injected fault caused names it (fault_kinds.raises)
             raise
     finally:
         pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
-        ckpt.close()
-        if tier is not None:  # a finished run's final state is in a persistent checkpoint
-            failed = sys.exc_info()[0] is not None
-            tier.close(complete=last == cfg.train.steps, failed=failed)
-            if not failed:
-                s.run.event(WorkerEvent.LOCAL_TIER_STATS, all_processes=True, **vars(tier.stats))
+        failed = sys.exc_info()[0] is not None
+        for t in reversed(tiers):  # the persistent checkpoints first: they hold the final state
+            t.close(complete=last == cfg.train.steps, failed=failed)
         if s.tb:
             s.tb.close()
     s.run.event(WorkerEvent.DONE, step=last, complete=last == cfg.train.steps)
@@ -593,12 +452,7 @@ def _run_locked(
 
 
 def _hooks(
-    s: Session,
-    ckpt: Checkpointer,
-    inject: Faults,
-    tier: local_tier.LocalTier | None,
-    start: int,
-    progress: bool | None,
+    s: Session, tiers: list[Tier], inject: Faults, start: int, progress: bool | None
 ) -> Hooks:
     """What runs around each step, in this order (the order of its events and syncs)."""
     cfg = s.cfg
@@ -636,25 +490,22 @@ def _hooks(
     last = cfg.train.steps
     hooks.add("metrics", metrics, due=lambda n: n % cfg.log.every == 0 or n == last)
     hooks.add("progress", show_progress)
-    hooks.add(
-        "checkpoint", lambda c: _save(s, ckpt, c.state, c.step),
-        due=lambda n: ckpt.due(n) or (n == last and cfg.ckpt.every > 0),
-    )  # fmt: skip
-    if tier is not None:  # a copy off the device, written in the background
-        hooks.add("local_tier", lambda c: tier.offer(c.step, c.state))
+    for t in reversed(tiers):  # the persistent checkpoint, then the local snapshot, as ever
+        hooks.add(f"tier_{t.name}", lambda c, t=t: t.save(c.step, c.state), due=t.due)
     if cfg.train.eval_every:
         hooks.add("evaluation", evaluation, every=cfg.train.eval_every)
     return hooks
 
 
-def _loop(s, ckpt, hooks: Hooks, compiled, state, t_start) -> int:
+def _loop(s, persistent: PersistentTier, hooks: Hooks, compiled, state, t_start) -> int:
     """Train from the state's step to cfg.train.steps; returns the last step completed."""
     cfg = s.cfg
+    ckpt = persistent.checkpointer
     start = int(state["step"])
     for step in range(start, cfg.train.steps):
         stop = _stop_requested(s, ckpt, step, t_start)
         if stop:
-            _save(s, ckpt, state, step, force=True)
+            persistent.save(step, state, force=True)
             ckpt.wait()
             kind = WorkerEvent.PREEMPTED if stop == "preempted" else WorkerEvent.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved

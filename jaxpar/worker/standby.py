@@ -7,7 +7,7 @@ plus JAXPAR_STANDBY=1. Such a worker runs the normal worker path as far as it ca
 knowing the failure — jax imported, `jax.distributed` initialised among the
 standby processes, mesh and program built, train step loaded from RUN_DIR/compiled (read only) or
 compiled, data source built, the step run once on a throwaway state of zeros (its collectives
-connected; trainer._warm_step) — and then:
+connected; training.warm_step) — and then:
 
 1. writes the line `ready` to the file descriptor named by JAXPAR_STANDBY_FD (a pipe the
    supervisor reads) and closes it;

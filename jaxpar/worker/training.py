@@ -315,7 +315,7 @@ def run(
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
     early = None
     if standby.pending():  # the next incarnation, built ahead: wait for the failure here
-        early = _standby_ready(s)
+        early = prepare_standby(s)
         t_start = time.time()
     lock = _lock(s)
     try:
@@ -329,7 +329,7 @@ def _shared_cache(cfg: TrainConfig) -> str | None:
     return compile_cache.shared_directory(cfg.run.compile_cache_dir)
 
 
-def _standby_ready(s: Session) -> tuple:
+def prepare_standby(s: Session) -> tuple:
     """A standby worker (jaxpar/worker/standby.py): load or compile the train step without writing the
     run directory, report ready and wait for "go". Returns (compiled, seconds)."""
     directory = s.run.file(runlog.COMPILED) if s.cfg.run.compile_cache else None
@@ -337,12 +337,12 @@ def _standby_ready(s: Session) -> tuple:
     early = compile_step(s)
     if 0 < s.cfg.train.eval_every <= s.cfg.train.steps:
         eval_program(s)  # loaded now, not at the new group's first evaluation
-    _warm_step(s, early[0])
+    warm_step(s, early[0])
     standby.wait_for_go()  # returns on "go"; a released standby exits here
     return early
 
 
-def _warm_step(s: Session, compiled) -> None:
+def warm_step(s: Session, compiled) -> None:
     """Run the restore's replica check and the compiled step once on a throwaway state of zeros
     and batch 0, and drop the results: their collectives connect (gloo on CPU connects at a
     program's first collective) and their first-run set-up happens now, not in the restore and

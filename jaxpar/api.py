@@ -301,8 +301,8 @@ def _run_worker(fn: Callable[[], int | None]) -> int:
     from jaxpar.worker import standby
 
     bootstrap.configure_devices()
-    with standby.no_run_dir():  # a standby writes nothing to the run directory before "go"
-        bootstrap.initialize_from_env()
+    # a standby writes nothing to the run directory before "go" (its stack-dump file comes then)
+    bootstrap.initialize_from_env(stack_dump=not standby.pending())
     from jaxpar.recovery.checkpoint import (
         CheckpointMismatch,
         Preempted,

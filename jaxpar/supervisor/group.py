@@ -17,6 +17,7 @@ from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import worker_env
 from jaxpar.supervisor.standby_group import Standby
+from jaxpar.worker import bootstrap
 from jaxpar.worker import spare as spare_lib
 
 
@@ -163,10 +164,11 @@ class LocalGroup:
         if spare.poll() is not None or spare.stdin is None:
             self._stop_spare(spare)
             return False
+        # the worker's `start` event records that it came up warm (unless the spare must exec
+        # the command afresh: then it drops this)
+        msg = {"env": {**env, bootstrap.ENV_START_PATH: "spare"}, "argv": command, "log": log}
         try:
-            spare.stdin.write(
-                (json.dumps({"env": env, "argv": command, "log": log}) + "\n").encode()
-            )
+            spare.stdin.write((json.dumps(msg) + "\n").encode())
             spare.stdin.close()
         except OSError:
             return False

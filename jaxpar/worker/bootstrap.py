@@ -54,6 +54,7 @@ ENV_HEARTBEAT_TIMEOUT = "JAXPAR_HEARTBEAT_TIMEOUT_S"  # jax.distributed's dead-p
 ENV_COLLECTIVE_TIMEOUT = "JAXPAR_COLLECTIVE_TIMEOUT_S"  # a collective waiting longer aborts
 # After an elastic shrink: the layout the training loop must use, whatever its command line says
 # (jaxpar.worker.training applies it, so any entrypoint can be shrunk).
+ENV_START_PATH = "JAXPAR_START_PATH"  # a spare handed a slot: "spare" (else standby or cold)
 ENV_MESH = "JAXPAR_MESH"  # mesh spec, e.g. "data=4,fsdp=1,tensor=1,pipeline=1"
 ENV_MICROBATCHES = "JAXPAR_MICROBATCHES"  # gradient-accumulation microbatches per step
 
@@ -115,14 +116,15 @@ def timeouts_from_env() -> dict[str, int]:
     return {"heartbeat_timeout_seconds": max(hb, 1), "shutdown_timeout_seconds": max(shutdown, 1)}
 
 
-def initialize_from_env() -> bool:
+def initialize_from_env(*, stack_dump: bool = True) -> bool:
     """Start jax.distributed when the environment describes a multi-process job.
 
     Explicit (`jaxpar launch`, or a K8s manifest): JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES,
     JAXPAR_PROCESS_ID (JOB_COMPLETION_INDEX on K8s). SLURM (srun) and Open MPI (mpirun):
     jax's own cluster detection. CPU workers use gloo collectives. The coordinator binds to the
     address it is given (loopback for `jaxpar launch` on one host) unless
-    JAXPAR_COORDINATOR_BIND says otherwise. Returns whether jax.distributed was started.
+    JAXPAR_COORDINATOR_BIND says otherwise. `stack_dump=False` (a standby before its "go")
+    installs no stack-dump file in the run directory. Returns whether jax.distributed was started.
     """
     kind = detect_cluster()
     die_with_supervisor()
@@ -147,7 +149,8 @@ def initialize_from_env() -> bool:
         )
     else:
         jax.distributed.initialize(cluster_detection_method=kind, **kwargs)
-    install_stack_dump()
+    if stack_dump:
+        install_stack_dump()
     if jax.process_index() == 0:
         warn_versions()
     return True

@@ -39,7 +39,6 @@ PRELOAD = (
     "jaxpar.worker.bootstrap",
 )
 IMPORT_TIME_PREFIXES = ("JAX_", "XLA_")
-ENV_WARM = "JAXPAR_WARM_START"
 
 
 def module_of(argv: list[str]) -> str | None:
@@ -97,10 +96,10 @@ def activate(msg: dict) -> None:
     env, argv = dict(msg["env"]), list(msg["argv"])
     redirect(msg["log"])
     if not can_run_here(env, argv):
+        env.pop(bootstrap.ENV_START_PATH, None)  # a cold start after all
         os.execvpe(argv[0], argv, env)
     os.environ.clear()
-    os.environ.update(env)
-    os.environ[ENV_WARM] = "1"  # the worker's `start` event records that it started warm
+    os.environ.update(env)  # the worker's environment, as an exec would set it
     module = module_of(argv)
     sys.argv = [module, *argv[3:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

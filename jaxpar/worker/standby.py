@@ -18,6 +18,9 @@ connected; training.warm_step) — and then:
 Before "go" a standby writes nothing to the run directory (no event, heartbeat, lock, log,
 stack-dump file or compiled-program entry); its output goes to a temporary file the supervisor
 copies into the worker log on "go".
+
+How this process came up is one `StartRole`, read once from what the supervisor set when it
+spawned the process (`role()`): `wait_for_go` changes that object, never the environment.
 """
 
 from __future__ import annotations
@@ -26,64 +29,82 @@ import contextlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 from jaxpar.worker import bootstrap, spare
 
 ENV_STANDBY = "JAXPAR_STANDBY"  # "1": this worker is a standby (waits for "go")
 ENV_READY_FD = "JAXPAR_STANDBY_FD"  # the pipe the `ready` line goes to
-ENV_PATH = "JAXPAR_START_PATH"  # how this worker came up: standby | spare | cold
 READY = b"ready\n"
+
+
+@dataclass
+class StartRole:
+    """How this worker process came up: `standby` (built ahead; `waiting` until its "go"),
+    `spare` (a pre-started process handed a slot) or `cold`."""
+
+    path: str
+    waiting: bool = False
+    ready_fd: int | None = None
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str]) -> StartRole:
+        """What the supervisor said: JAXPAR_STANDBY (and its ready pipe), JAXPAR_START_PATH."""
+        if environ.get(ENV_STANDBY) == "1":
+            fd = environ.get(ENV_READY_FD)
+            return cls("standby", waiting=True, ready_fd=int(fd) if fd else None)
+        return cls("spare" if environ.get(bootstrap.ENV_START_PATH) == "spare" else "cold")
+
+    def report_ready(self) -> None:
+        fd, self.ready_fd = self.ready_fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, READY)
+            os.close(fd)
+
+    def wait_for_go(self) -> None:
+        """Report ready, then block until "go" (returns) or release (exits 0). A no-op for a
+        worker that is not a standby, or once it has gone."""
+        if not self.waiting:
+            return
+        self.report_ready()
+        line = sys.stdin.readline()
+        try:
+            msg = json.loads(line) if line.strip() else None
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict) or not isinstance(msg.get("log"), str):
+            sys.stdout.flush()
+            os._exit(0)  # released: nothing was written, no jax shutdown barrier to wait in
+        spare.redirect(msg["log"])  # stdout/stderr to the worker log, stdin from /dev/null
+        self.waiting = False
+        bootstrap.install_stack_dump()  # now that the run directory may be written
+
+
+_ROLE: list[StartRole] = []  # this process's role, read from its environment on first use
+
+
+def role() -> StartRole:
+    """This process's `StartRole` (one per process: the supervisor's word does not change)."""
+    if not _ROLE:
+        _ROLE.append(StartRole.from_environment(dict(os.environ)))
+        for name in (ENV_STANDBY, ENV_READY_FD):  # read once; processes this one starts are
+            os.environ.pop(name, None)  # not standbys (and the ready pipe is this one's)
+    return _ROLE[0]
 
 
 def pending() -> bool:
     """A standby that has not been told to go yet."""
-    return os.environ.get(ENV_STANDBY) == "1"
-
-
-@contextlib.contextmanager
-def no_run_dir():
-    """Hide the run directory from what runs inside (jax.distributed start-up installs a stack
-    dump file there); a standby must not write it before "go"."""
-    saved = os.environ.pop(bootstrap.ENV_RUN_DIR, None) if pending() else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ[bootstrap.ENV_RUN_DIR] = saved
-
-
-def report_ready() -> None:
-    fd = os.environ.get(ENV_READY_FD)
-    if fd is None:
-        return
-    with contextlib.suppress(OSError, ValueError):
-        os.write(int(fd), READY)
-        os.close(int(fd))
+    return role().waiting
 
 
 def wait_for_go() -> None:
-    """Report ready, then block until "go" (returns) or release (exits 0). A no-op for a worker
-    that is not a standby, or once it has gone."""
-    if not pending():
-        return
-    report_ready()
-    line = sys.stdin.readline()
-    try:
-        msg = json.loads(line) if line.strip() else None
-    except ValueError:
-        msg = None
-    if not isinstance(msg, dict) or not isinstance(msg.get("log"), str):
-        sys.stdout.flush()
-        os._exit(0)  # released: nothing was written, no jax shutdown barrier to wait in
-    spare.redirect(msg["log"])  # stdout/stderr to the worker log, stdin from /dev/null
-    os.environ.pop(ENV_STANDBY, None)
-    os.environ.pop(ENV_READY_FD, None)
-    os.environ[ENV_PATH] = "standby"
-    bootstrap.install_stack_dump()  # now that the run directory may be written
+    """`role().wait_for_go()`: the one place a standby waits (the loop, or a user's own loop's
+    first run-directory writer); a no-op for any other worker."""
+    role().wait_for_go()
 
 
 def start_path() -> str:
     """How this worker came up, for its `start` event: standby | spare | cold."""
-    if os.environ.get(ENV_PATH):
-        return os.environ[ENV_PATH]
-    return "spare" if os.environ.get("JAXPAR_WARM_START") == "1" else "cold"
+    return role().path

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from jaxpar.supervisor.policy import restart_path
+from jaxpar.worker import standby
 
 WANT = {"incarnation": 3, "attempt": 2, "nproc": 2, "process_ids": [0, 1], "layout": None,
         "faults": [], "collective_timeout": 600.0}  # fmt: skip
@@ -51,7 +52,7 @@ STANDBY_CHILD = """
 import os, sys
 from jaxpar.worker import standby
 standby.wait_for_go()
-print("went", os.environ.get("JAXPAR_START_PATH"), standby.pending(), flush=True)
+print("went", standby.start_path(), standby.pending(), os.environ.get("JAXPAR_STANDBY"), flush=True)
 """
 
 
@@ -86,7 +87,7 @@ def test_standby_reports_ready_then_goes_on_in_the_log(tmp_path):
         p.stdin.write(f'{{"log": "{log}"}}\n'.encode())
         p.stdin.close()
         assert p.wait(timeout=120) == 0
-        assert log.read_text() == "went standby False\n"  # its output moved to the worker log
+        assert log.read_text() == "went standby False None\n"  # its output moved to the worker log
         assert p.stdout.read() == b""
     finally:
         os.close(r)
@@ -146,3 +147,13 @@ def test_own_loop_waits_at_its_first_run_dir(tmp_path):
         os.close(r)
         p.kill()
         p.wait()
+
+
+def test_start_role_is_what_the_supervisor_set():
+    """Read once from the spawn environment; a spare is told by the supervisor's hand-over."""
+    assert standby.StartRole.from_environment({}) == standby.StartRole("cold")
+    assert standby.StartRole.from_environment({"JAXPAR_START_PATH": "spare"}).path == "spare"
+    role = standby.StartRole.from_environment({"JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_FD": "7"})
+    assert (role.path, role.waiting, role.ready_fd) == ("standby", True, 7)
+    role.waiting = False
+    role.wait_for_go()  # gone already: returns at once, reads nothing

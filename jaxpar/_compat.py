@@ -1,18 +1,9 @@
 """The one module of jaxpar that reaches into jax's and orbax's private modules.
 
-jax has no public API for the jax.distributed client (the coordination service's barrier and
-key-value store, which Orbax uses too), for its coordinator address or for whether a backend
-exists yet; orbax has no hook for a failed background write or for the event loops it closes
-under running operations. Everything jaxpar needs from `jax._src` and `orbax.checkpoint._src`
-is a small named function here, and no other module of jaxpar imports those (a unit test
-checks). Each internal is imported on first use: importing this module imports no jax, so the
-supervisor and `jaxpar report` (which run without jax) may import it.
-
-`TESTED` holds the versions these internals were tested with (constraints.txt pins them);
-`check_versions()` (a worker calls it at start-up) warns when the installed ones differ. An
-internal that is missing or changed shape raises `InternalChanged` (a RuntimeError) naming it,
-the installed version and the tested one, instead of a bare AttributeError deep in a run.
-docs/design.md ("Library internals") says how to update this module for a new jax or orbax.
+Each internal jaxpar needs is a small named function here, imported on first use (importing this
+module imports no jax); `TESTED` holds the versions they were tested with and `check_versions()`
+warns when the installed ones differ. Design, and how to move to a new jax or orbax:
+docs/design.md, "Library internals".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Where `jaxpar.models`, `jaxpar.meshes` and `jaxpar.train` come from.
+"""Where `jaxpar.models`, `jaxpar.meshes` and `jaxpar.train` come from in a source checkout.
 
-The repository keeps the user-side folders `models/`, `meshes/` and `train/` beside `jaxpar/`.
-An installed jaxpar (a wheel, or `pip install -e .`) carries them inside the package, as
-`jaxpar.models`, `jaxpar.meshes` and `jaxpar.train` (setup.py maps the folders): generic
-top-level names such as `train` or `models` would collide with other projects in site-packages.
-
-In a source checkout used without installing (PYTHONPATH, or `python -m train` from the
-checkout), this finder serves the same names from the sibling folders, so every import reads
-`jaxpar.models.gpt`, `jaxpar.meshes`, `jaxpar.train.recipes` in both cases.
+An installed jaxpar carries the repository's `models/`, `meshes/` and `train/` inside the package
+(setup.py maps them); used without installing, this finder serves the same names from those
+folders. Why: docs/api.md, "How jaxpar is installed".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Process start-up without IPython when nothing runs in IPython.
 
-flax.nnx (reprlib, visualization, summary) and treescope probe at import time whether they run
-inside IPython by importing it (`from IPython import get_ipython`). Where Jupyter is installed,
-that import alone costs about a second of CPU in every process that imports flax — each worker,
-spare and restart of a job — and its answer is known without it: in a process that has not
-imported IPython, `get_ipython()` is None. This finder answers those probes with ImportError,
-which the probing modules treat as "not in IPython", exactly what the import would have told
-them. It only declines `import IPython` issued by flax or treescope code while IPython is not
-loaded; every other import of IPython (a user's `IPython.embed()`, a notebook kernel, where
-IPython is loaded before any of this) proceeds as usual.
+This finder answers the import-time IPython probes of flax and treescope with ImportError ("not
+in IPython") while IPython is not loaded; every other import of IPython proceeds as usual. Why,
+and what exactly it declines: docs/design.md, "Library internals".
 """
 
 from __future__ import annotations

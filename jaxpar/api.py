@@ -1,23 +1,8 @@
 """The library API for a user's own training entrypoint (re-exported from `jaxpar`).
 
-    import jaxpar
-
-    def main() -> None:
-        cfg = jaxpar.TrainConfig(model=MyModelConfig(...), ...)
-        jaxpar.fit(cfg, mesh="fsdp8", run_dir="runs/mine")      # the whole supervised loop
-
-    if __name__ == "__main__":
-        jaxpar.entrypoint(main)      # devices, jax.distributed, exit codes `jaxpar launch` reads
-
-Or step by step, with nothing materialised unsharded:
-
-    job = jaxpar.build(cfg, mesh="dp2_tp4")          # mesh, shardings, compiled steps
-    state = job.init()                               # sharded params, optimizer state, rng
-    state, metrics = job.train_step(state, job.batch(0))
-    ckpt = jaxpar.CheckpointManager("runs/mine")     # async, checksummed, resharding restore
-    ckpt.save(1, state); state = ckpt.restore(job.abstract_state)
-
-See docs/api.md.
+`build` and `Job` (the sharded, compiled steps), `fit` (the whole supervised loop),
+`CheckpointManager` and `entrypoint` (devices, jax.distributed, the exit codes `jaxpar launch`
+reads). Usage, with a complete entrypoint: docs/api.md.
 """
 
 from __future__ import annotations

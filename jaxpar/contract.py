@@ -1,31 +1,8 @@
 """The model contract: what jaxpar needs from a model config, its model, a loss and an optimizer.
 
-Typed protocols, checked with `isinstance`, instead of probing attributes. docs/model_contract.md
-explains them with examples.
-
-Required of a model config (a frozen dataclass of yours, `TrainConfig.model`):
-
-    build(rngs: nnx.Rngs) -> nnx.Module        # called under eval_shape and jit: never eagerly
-
-Optional, each its own protocol:
-
-    flops_per_token() -> float       # language models: MFU by the 6*N*T formula (+ attention)
-    flops_per_example() -> float     # other models
-    num_params() -> int              # reported by benchmarks
-    NOT_HASHED: tuple[str, ...]      # fields that change memory/speed, not values (e.g. remat):
-                                     # left out of the checkpoint's config hash
-and of the built model, for pipeline parallelism (`pipeline` mesh axis > 1):
-
-    pipeline_parts() -> (embed, blocks, head)   # see jaxpar/parallel/pipeline.py
-
-A loss (`TrainConfig.loss`; None = the built-in task of the data source: causal LM or
-classification cross-entropy, with accuracy for classification):
-
-    loss(model, batch, rngs) -> (scalar loss, {name: scalar metric})
-
-`model` is the merged nnx.Module in training mode, `batch` the global batch dict, `rngs` an
-nnx.Rngs whose streams (e.g. `dropout`) are keyed by (train.seed, step): a resumed run draws the
-same numbers.
+Typed protocols, checked with `isinstance` instead of probing attributes: a model config's
+`build(rngs) -> nnx.Module` is the one requirement, everything else an optional protocol of its
+own. Explained with examples: docs/model_contract.md.
 """
 
 from __future__ import annotations

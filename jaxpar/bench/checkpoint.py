@@ -1,20 +1,9 @@
 """`jaxpar bench checkpoint`: what checkpointing costs the training loop, measured in one run.
 
-1. Blocking: the seconds `Checkpointer.save()` holds the loop, asynchronous (orbax copies the
-   arrays to host, writes in a background thread) vs synchronous (waits for the commit), for the
-   same state, several saves each, median; their ratio.
-2. Throughput: the same compiled train step in blocks of N steps without a save and with one
-   async save (waited for at the block's end, so all its work is counted), alternated ABBA so
-   load drift hits both alike: tokens/s with a save every N steps vs none.
-3. The local snapshot tier's price in steady state: the same blocks without snapshots and with
-   one snapshot of the whole state after every step (`ckpt.local_every=1`: the on-device copy,
-   then the background write to node-local RAM; the block ends once its last snapshot is
-   committed), ABBA: step time with the tier on / off.
-
-The recipe is --recipe's (global batch 8), on all devices along `data`. The full benchmark of
-the default recipe scales it to d_model=512, d_mlp=2048 (~12.7M parameters, a ~150 MB state with
-Adam's moments); `quick` takes the recipe as it is (gpt_tiny: ~10 MB) and a few steps. Writes
-OUT_DIR/checkpoint.json and prints a markdown table.
+The loop's blocking time in an async vs a sync save, throughput with a save every N steps vs
+none, and the local snapshot tier's price (step time with a snapshot every step vs without).
+How it measures: docs/design.md, "Benchmarks"; a measured run:
+docs/benchmarks/2026-12-02-checkpoint.md.
 """
 
 from __future__ import annotations

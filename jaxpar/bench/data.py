@@ -2,17 +2,7 @@
 
     jaxpar bench data [--quick] [--recipe gpt_tiny] [--out bench-results]
 
-1. Prepare: a part of the Python standard library's source (quick: `json` and `email`, ~0.4 MB;
-   full: ~4 MB more) through `jaxpar data prepare` with a 512-token BPE vocabulary: MB/s of input,
-   overall and for encoding alone (tokenizer training excluded).
-2. The `tokens` source on that corpus, as process 0 of P = 1, 2, 4, 8 processes: examples/s it
-   builds, and token bytes it reads, per process per step (each process reads only its rows, so
-   bytes fall as 1/P).
-3. The recipe's compiled train step on all local devices (data-parallel) on the same data: the
-   examples/s per process it consumes (global batch / P / step time). ratio = what the source
-   delivers / what the step consumes; above 1 the input pipeline is not the bottleneck.
-
-Writes bench-results/data.json and prints a markdown table.
+What it measures: docs/design.md, "Benchmarks"; a measured run: docs/benchmarks/2026-12-01-data.md.
 """
 
 from __future__ import annotations

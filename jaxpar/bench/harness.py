@@ -1,24 +1,9 @@
-"""`jaxpar bench SUITE`: measured side by side in one run, reported as medians and ratios.
+"""`jaxpar bench SUITE`: the suites' registry, the runner, and `Bench`, the one writer of results.
 
     jaxpar bench SUITE [--quick] [--recipe gpt_tiny] [--set key=value ...] [--out bench-results]
 
-Each suite measures the recipe given with --recipe (default gpt_tiny) and --set, prints a markdown
-table, writes OUT/SUITE.json and OUT/YYYY-MM-DD-SUITE.md (a dated record: the command line, the
-machine, the jax and flax versions and the table) and prints both paths. `jaxpar bench --help`
-lists the suites.
-
-Adding a suite. Write, in its own module, a function taking one `Bench` and returning the result
-dict, which ends with `b.write(...)`:
-
-    def run(b: Bench) -> dict:
-        cfg = b.cfg                      # the recipe with --set applied; b.quick, b.out_dir
-        ...
-        return b.write("mysuite", result, table(["column", ...], rows))
-
-then register it with one line below (the module is imported only when the suite runs, so this
-module, and `jaxpar bench --help`, import no jax):
-
-    register("mysuite", "jaxpar.bench_mine:run", "what it measures", "~1 min (quick ~10 s)")
+Adding a suite: a function of one `Bench` that ends with `b.write(...)`, and one `register(...)`
+line below; this module imports no jax. Design: docs/design.md, "Benchmarks".
 """
 
 from __future__ import annotations

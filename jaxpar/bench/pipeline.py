@@ -3,19 +3,7 @@ one run, against the predicted (p − 1)/(m + p − 1).
 
     jaxpar bench pipeline [--quick] [--recipe gpt_tiny] [--out bench-results]
 
-The recipe (a model with n_layers; default gpt_tiny) with 8 layers on p ∈ {2, 4} stages (a pure pipeline on p devices), m ∈ {1, 2, 4, 8}
-microbatches of a fixed size (2 rows), GPipe and circular with v = 2. Prints a markdown table
-and writes pipeline.json and pipeline.png into --out. --quick: p = 2, m ∈ {1, 2, 4}.
-
-How the bubble is measured. In the SPMD program every stage runs every tick (in the bubble, on
-data whose result is discarded), so a step costs c + τ·ticks: τ one tick of all stages, c the
-rest (embedding, head, optimizer, weight reordering). With the microbatch size fixed, τ and c do
-not depend on m, and a least-squares fit (c ≥ 0) of the fastest measured step times over m gives
-both, per (p, schedule). The measured bubble is the share of the tick loop's measured time that
-is not useful work, (T − c − m·v·τ)/(T − c), shown beside the prediction 1 − m·v/ticks; the
-fit's residuals say how closely the step time follows the tick count. The configs of a group are
-timed round-robin, so load from other processes spreads over them. Simulated CPU devices share
-the host's cores, so absolute times show no pipeline speed-up; the bubble is what carries over.
+How the bubble is measured: docs/design.md, "Benchmarks".
 """
 
 from __future__ import annotations

@@ -2,17 +2,8 @@
 
     jaxpar bench precision [--quick] [--recipe gpt_tiny] [--set key=value ...]
 
-Four variants of one recipe, compiled and run side by side on one device (all data parallel
-axes of size 1): compute float32 / bfloat16 x model.remat none / on ("on" is the recipe's own
-remat policy, or "block" where it has none). Reported per variant: median step time over
-interleaved repetitions, tokens (or samples) per second, MFU (null where the device's peak
-FLOP/s is unknown, e.g. CPU), memory as ratios to float32 without remat, and the loss after the
-timed steps (same data for all). Memory is read two ways, both deterministic: the activations
-the backward pass keeps (the residuals of the loss's VJP, before XLA fuses anything), which is
-what remat shrinks; and the compiled step's temporaries (XLA's memory analysis). XLA CPU hoists
-the recomputation next to the forward, so there the temporaries barely move; a GPU's show the
-saving. On a GPU or TPU, the default recipe gpt_tiny (unchanged by --set) is replaced by gpt_350m.
-Models without a `remat` field get the two precision variants only.
+Step time, throughput, MFU, memory (read two ways) and the loss of each variant: docs/design.md,
+"Benchmarks".
 """
 
 from __future__ import annotations

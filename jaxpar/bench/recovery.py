@@ -2,38 +2,8 @@
 
     jaxpar bench recovery [--quick] [--recipe gpt_tiny] [--paths standby,standby-hang]
 
-Real `jaxpar launch` jobs of 4 worker processes x 2 CPU devices (--quick: 2 processes, gpt_tiny
-made smaller, synchronous saves so that a save is committed before the kill), real SIGKILLs:
-
-1. Recovery (kill to first step of the new group): one job with several `kill@S:process=P`
-   faults, each restarting the group; the goodput ledger splits each incident into detect /
-   stop / restart / init / restore / compile / first step (docs/design.md, "Recovery time"), and
-   the steps lost per failure are the steps logged before it minus the step restored. The
-   restart paths side by side in one benchmark: `local` (pre-started spare workers, compiled
-   programs kept in the run directory, restore from the local snapshot tier taken every step),
-   `persistent` (the same, restoring from the persistent checkpoint: `ckpt.local_every=0`) and
-   `cold` (`--no-spares`, `run.compile_cache=false`, persistent tier), and `standby`
-   (`--standby`: the next group built ahead, up to its loaded step, local tier), and
-   `standby-hang` (the same with `--hang-timeout 12`, each failure a `hang@S` fault: a worker
-   that stops making progress, detected by its heartbeats). A standby group is built once its
-   group has compiled and completed a step; so that it is ready before each failure, process 0
-   of the standby jobs sleeps before each of the SLOW_STEPS steps before a failure (`slow@S`
-   faults; each fires once, so the steps after a restart are not slowed): SLOW_S (5 s) per step
-   before a hang, and before a kill 5 s (20 s with --quick). Medians over incidents.
-2. Goodput under failures every T seconds, per restart path (`local`, the default, and
-   `standby`; --quick: `standby` only): the same job for a fixed wall time while the benchmark
-   SIGKILLs one worker (taken from the progress heartbeats) every T seconds, then stops it with
-   SIGTERM (the preemption path: save and exit). No `slow` faults here: a standby group not
-   ready at a kill leaves the restart to the spares, and the table says which path each took.
-   Goodput = productive step time / wall time (summary.json); `goodput_steady` leaves out the
-   job's first start-up and compile, which a long job pays once; `time_lost_s` is summary.json's
-   split of the rest by cause.
-
-The jobs' workers get XLA_FLAGS as set for the benchmark, less a host device count (the
-supervisor gives each worker DEVICES); recovery.json records them.
-
-Writes OUT_DIR/recovery.json and prints markdown tables. Timings depend on the machine's load:
-compare the two restart paths measured in the same run, not figures from different runs.
+Real `jaxpar launch` jobs and real SIGKILLs, one job per restart path. The paths, and how
+recovery and goodput are measured: docs/design.md, "Benchmarks" (measured runs: docs/benchmarks/).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Text <-> token ids: how the ids of a data source decode (`jaxpar sample` asks here).
 
     codec = codec_of(source, path=cfg.data.path) or Codec()   # None: nothing says
-    ids = codec.encode("def main(")
-    text = codec.decode(ids)
 
-A source says how its ids decode, the first of these that answers:
-
-1. its `codec()` method: an object with `encode(text) -> ids`, `decode(ids) -> text` and
-   `vocab_size` (`Codec` below), or None when it does not know. The byte-level built-ins
-   (`stdlib_text`, `synthetic_text`) return `Codec()`: one id per UTF-8 byte;
-2. its `tokenizer_file`: a Hugging Face tokenizer.json. The `tokens` source's is the file its
-   meta.json names (or a `tokenizer.json` beside nanoGPT's train.bin/val.bin);
-3. the tokenizer named by `meta.json` in its data folder (`data.path`), as `jaxpar data prepare`
-   writes it, for a source that says nothing itself. meta.json is untrusted: it is read through
-   the bounded reader and must name a plain file in that folder.
+The order a source is asked in (its `codec()`, its `tokenizer_file`, its data folder's meta.json):
+docs/data.md, "How `jaxpar sample` finds the tokenizer".
 """
 
 from __future__ import annotations

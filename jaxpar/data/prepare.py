@@ -3,12 +3,7 @@
     jaxpar data prepare INPUT... --out DIR [--vocab-size N] [--val-fraction F]
                         [--tokenizer tokenizer.json] [--shard-tokens N]
 
-INPUT is a text file or a folder (read recursively, sorted; hidden entries, `__pycache__` and
-files that are not UTF-8 text are skipped). The files are taken end to end, each followed by the
-end-of-text token; the last `--val-fraction` of the input bytes becomes the `val` split (cut
-inside a file where the boundary falls). The tokenizer is Hugging Face `tokenizers`' byte-level
-BPE, trained on the train part only (or loaded with `--tokenizer`). DIR receives the shards
-(jaxpar/data/tokens.py reads them), `tokenizer.json` and `meta.json`.
+What it reads and writes: docs/data.md, "Preparing a corpus" and "The token-file format".
 """
 
 from __future__ import annotations

@@ -1,37 +1,9 @@
 """Deterministic input: the batch for a step is a pure function of (source, seed, step, split).
 
-Nothing about the data position is ever saved. A restarted job, or one resharded onto a different
-process count, asks for step `s` and gets exactly the global batch it would have had: row `r` of
-step `s` is element `s * global_batch + r` of a seeded, infinite, random-access stream, and each
-process builds only its own contiguous rows of it. (Grain's per-process iterator state cannot be
-restored under another process count; random access into a grain `MapDataset` can.)
-
-    source = make_source("stdlib_text", seq_len=64)
-    local = host_batch(source, step=s, global_batch=32, seed=0,
-                       process_index=jax.process_index(), process_count=jax.process_count())
-    batch = to_device(local, {"inputs": sharding, "targets": sharding}, global_batch=32)
-
-A source is any object with the `Source` protocol below (random access: example `i` of a split
--> dict of numpy arrays, the split's length, the example spec). `make_source` takes a registered
-name, a `module:callable` name, a ready source object, or a factory callable; a factory is
-called with one `SourceArgs` (docs/data.md has a worked example).
-
-Names are looked up in `SOURCE_REGISTRY` (name -> factory taking one `SourceArgs`); a factory
-joins it with `register_source(name)` (a decorator, or `register_source(name, factory)`), and
-`SOURCES` is the tuple of its names. A new built-in source is one factory (here, or in its own
-module like jaxpar/data/tokens.py) plus one registration below; nothing else names it.
-
-Built-in sources (`SOURCES`, in registration order):
-- `stdlib_text`: bytes of the Python standard library's `.py` files (sorted paths, ~8 MB); the
-  last 5% of bytes is the `eval` split. An example is a window at a keyed pseudo-random offset.
-- `tokens`: pre-tokenized shards read through `np.memmap` (jaxpar/data/tokens.py; written by
-  `jaxpar data prepare`, or nanoGPT's train.bin/val.bin).
-- `digits`: scikit-learn's bundled 8x8 digits (no download); fixed 80/20 train/eval split,
-  reshuffled every epoch with the seed.
-- `synthetic_text`, `synthetic_image`: random examples keyed by index; no I/O (benchmarks).
-
-Example dicts: `lm` -> {"inputs": int32[T], "targets": int32[T]} (targets = inputs shifted by
-one); `classify` -> {"image": float32[H, W, C], "label": int32[]}.
+The `Source` protocol, the registry (`SOURCE_REGISTRY`, `register_source`, `SOURCES`), the
+built-in sources, `make_source` and `host_batch` (each process builds only its own rows). Design:
+docs/data.md ("Writing a data source", "Built-in sources", "Multi-host reading"); a new built-in:
+docs/design.md, "Adding a data source".
 """
 
 from __future__ import annotations

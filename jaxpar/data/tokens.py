@@ -2,23 +2,8 @@
 
     python -m train --set data.source=tokens --set data.path=DIR
 
-DIR holds what `jaxpar data prepare` writes (docs/data.md has the format):
-
-    meta.json            {"format": "jaxpar-tokens", "version": 1, "dtype": "uint16",
-                          "vocab_size": 512, "shards": {"train": [{"file", "tokens"}], "val": [...]},
-                          "tokens": {...}, "tokenizer": "tokenizer.json", "sources": [...]}
-    train-00000.bin ...  token ids, little-endian `dtype`, no header, documents joined by EOT
-    val-00000.bin ...
-    tokenizer.json       the Hugging Face tokenizer that produced them
-
-or nanoGPT's layout: `train.bin` and `val.bin` (uint16 unless `data.dtype` says otherwise) with
-no meta.json; the vocabulary is then the model's, and a `tokenizer.json` beside them, if any, is
-the source's `tokenizer_file`. The `val` shards are jaxpar's `eval` split.
-
-Example `i` of a split is the window of `seq_len + 1` tokens starting at token `i * seq_len` of
-the split's shards taken end to end (windows overlap by the one token that is the last target):
-inputs = window[:-1], targets = window[1:]. A window is sliced straight out of the memory map, so
-a process touches only the windows of its own rows of the global batch; nothing is loaded whole.
+DIR is what `jaxpar data prepare` writes, or nanoGPT's train.bin/val.bin. The format, the
+examples (windows of seq_len + 1 tokens) and the checks: docs/data.md, "The token-file format".
 """
 
 from __future__ import annotations

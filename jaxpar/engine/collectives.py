@@ -1,29 +1,9 @@
 """Collective audit: which collectives XLA put into a compiled program, and over which mesh axes.
 
-jaxpar lets XLA insert the communication of a sharded step; this module reads it back from the
-optimised HLO text (``jax.jit(f).lower(...).compile().as_text()``) so a layout can be checked and
-its traffic reported: kind, bytes per device, dtype, the mesh axes each collective runs over, and
-whether it sits inside a loop (``lax.scan``) and how often that loop runs.
-
     colls = audit(jax.jit(step).lower(state, batch).compile(), mesh)
     print(format_audit(colls))
 
-Device numbering. Replica groups in SPMD HLO name *partition ids*, and partition ``i`` is the
-device at position ``i`` of ``mesh.devices.flat`` - not ``device.id``. (Checked: a mesh built
-from a permuted device list compiles to the same HLO text.) Members of a group are therefore
-mapped to mesh coordinates with ``np.unravel_index(ids, mesh shape)``; the axes whose coordinate
-varies inside a group are the axes the collective runs over.
-
-Replica groups come in three spellings, all handled:
-  explicit   ``replica_groups={{0,1},{2,3}}`` (``{}`` = one group of every device)
-  iota       ``replica_groups=[2,4]<=[4,2]T(1,0)``
-  mesh axes  ``replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}``
-             (XLA's own mesh; its axis names are unrelated to the jax mesh's)
-and ``collective-permute`` has ``source_target_pairs={{0,1},...}``; its "groups" are the
-connected components of the pairs (a ring over ``data`` spans ``data``).
-
-Async pairs (``all-reduce-start``/``-done`` ...) count once, with the result shape of the
-``-done``; collectives wrapped in ``async-start(..., calls=%c)`` count once from inside ``%c``.
+Reading the optimised HLO (device numbering, replica groups, async pairs): docs/design.md, "The engine".
 """
 
 from __future__ import annotations

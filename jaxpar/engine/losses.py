@@ -1,15 +1,9 @@
-"""Losses: the built-in tasks and the recipe's own loss hook.
+"""Losses: the built-in tasks (`lm`, `classify`) and the recipe's own loss hook.
 
     loss(model, batch, rngs) -> (scalar loss, {name: scalar metric})
 
-`model` is the model rebuilt for this step (training mode; `model.eval()` in evaluation),
-`batch` this (micro)batch's dict, `rngs` an `nnx.Rngs` keyed per step (train.seed, step,
-microbatch, data replica) whose default stream serves any stream name. Metrics are means over
-the (micro)batch, so the step's metrics are means over the global batch.
-
-Built in, chosen by the data source's kind when the recipe gives no loss (`TrainConfig.loss`):
-`lm` (causal LM: softmax cross-entropy of `model(inputs)` against `targets`) and `classify`
-(softmax cross-entropy of `model(image)` against `label`, with `accuracy`).
+The contract (what `model`, `batch` and `rngs` are, metrics as means over the global batch, the
+built-in tasks): docs/model_contract.md, "The loss".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """How the engine runs a model: its variables split three ways, rebuilt inside traced code.
 
-    params  nnx.Param                  trained by the optimizer (train state "params")
-    state   every other nnx.Variable   BatchNorm batch_stats, counters, ... (train state
-            except RNG state           "model_state", present only when the model has any):
-                                       updated by the step, sharded by the same rules as the
-                                       parameters, checkpointed and restored like them
-    rngs    nnx.RngState               the key and count of each stream the model declares (e.g.
-                                       `dropout`). Not carried: every step reseeds each stream
-                                       from the step's key (train.seed, step, microbatch, data
-                                       replica) folded with the stream's name, so a resumed run
-                                       draws the same numbers
-
-Models are built with `nnx.Rngs(train.seed, params=train.seed)` (streams other than `params`,
-such as `dropout`, fall back to the default stream) and with Flax's eager variable sharding off
-for the build only: jaxpar shards the state itself from the logical names (`out_sharding`
-metadata, as `nnx.with_partitioning` writes it) and the rules.
-
-Calling convention: a model whose `__call__` has a parameter named `key` (jaxpar's own models)
-gets the step's key there (None in evaluation); any other model is called with its inputs only
-and draws from its streams. Training calls `model.train()` first, evaluation `model.eval()`
-(Dropout off, BatchNorm on its running averages).
+`nnx.Param`s are trained; every other variable (BatchNorm statistics, counters) is the train
+state's `model_state`, sharded, checkpointed and restored like them; RNG state is not carried:
+each step reseeds every stream. The contract (building, calling, training and evaluation mode,
+randomness): docs/model_contract.md.
 """
 
 from __future__ import annotations

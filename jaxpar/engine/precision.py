@@ -2,14 +2,7 @@
 
     python -m train --recipe gpt_small --set precision.compute=bfloat16
 
-The train state always holds float32 master weights and optimizer moments. Inside the
-differentiated loss the floating parameters (and floating inputs, such as images) are cast to
-the compute dtype, so the model's matmuls run in bf16 while the gradient comes back through the
-cast as float32: the gradient reduction over data-parallel replicas and the optimizer update
-stay float32. The loss is the softmax cross-entropy of float32 logits. A model keeps its
-numerically delicate parts in float32 itself (LayerNorm statistics, the attention softmax).
-
-float16 is not offered: it needs loss scaling, which bf16 (float32's exponent range) does not.
+Where the casts are, and why there is no float16: docs/design.md, "The engine".
 """
 
 from __future__ import annotations

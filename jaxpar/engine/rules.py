@@ -1,20 +1,7 @@
 """Logical axis names -> mesh axes: the rules resolver, presets, validation and activation constraints.
 
-Legend of the logical vocabulary (names every preset has rules for; a recipe may add rules for
-names of its own model, `TrainConfig.rules`):
-
-    batch     examples in a batch            seq       sequence positions
-    embed     model width (d_model)          mlp       MLP hidden width
-    heads     attention heads                kv        key/value heads (grouped-query attention)
-    head_dim  width of one head              vocab     vocabulary entries
-    layers    stacked repeated blocks        stage     pipeline stages
-    conv_in / conv_out   convolution channels      classes   classifier outputs
-    height / width       image spatial dims        norm      normalisation scales (never sharded)
-
-A rules table is an ordered tuple of (logical name, mesh axis or tuple of mesh axes). A logical
-dimension takes the first rule whose mesh axes are all still unused by the array's earlier
-dimensions; mesh axes of size 1 are dropped. Parameters and activations use separate tables: FSDP
-shards parameters over `fsdp` while activations split the batch over (data, fsdp).
+How a rule is picked: docs/design.md, "The engine"; the logical vocabulary: docs/model_contract.md,
+"The model".
 """
 
 from __future__ import annotations

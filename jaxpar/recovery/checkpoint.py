@@ -1,20 +1,8 @@
 """Orbax checkpoints of the whole training state: async saves, resharded restore, integrity.
 
-Layout: RUN_DIR/checkpoints/<step>/{state, meta, checksums.json}. `state` is the training pytree
-(params, optimizer state, step, RNG key); `meta` is JSON: config hash, mesh, process count,
-jaxpar version, data position. `checksums.json` holds a layout-independent hash of every array.
-
-Crash consistency: Orbax writes into `<step>.orbax-checkpoint-tmp` and commits by renaming it
-(process 0, after every process has written its shards); a process killed mid-save leaves only
-the tmp folder, which `all_steps()` ignores and the next start removes (logged). Old steps are
-deleted only after a newer one has committed.
-
-Integrity: Orbax does not checksum array data. jaxpar hashes every array on device (a
-position-sensitive sum mod 2**32, so any mesh layout gives the same value); the hashes are
-dispatched when the save starts and written into the tmp folder just before the commit, so they
-cost the training loop nothing. A restore recomputes them on the new mesh; a checkpoint that
-fails to read or to match is reported, moved aside to `<step>.corrupt`, and the next older one
-is tried. The same per-device hashes, compared across `data`, are the replica check.
+RUN_DIR/checkpoints/<step>/{state, meta, checksums.json}. Crash consistency (a commit is a
+rename), integrity (layout-independent checksums of every array; a damaged step is moved aside)
+and the replica check: docs/design.md, "Recovery tiers", "Persistent checkpoints".
 """
 
 from __future__ import annotations

@@ -3,29 +3,7 @@
     compile_cache.configure(os.path.join(run_dir, "compiled"))   # once per process
     compiled, hit = compile_cache.compile(jitted.lower(*abstract_args), "train_step")
 
-jax's own persistent compilation cache cannot serve a multi-process CPU job: its key hashes the
-process's local device topology, so each process has its own key, and jax writes entries from
-process 0 only — after a restart processes 1..N-1 compile again, and the first step waits for
-the slowest of them. Here every process writes its own executable
-(`jax.experimental.serialize_executable`), keyed by a hash of everything the binary depends on:
-the lowered program text, the jax/jaxlib/backend versions, XLA_FLAGS, and the global device
-assignment with this process's index. A file that cannot be read or loaded is removed and the
-program compiled again; a cache miss costs one serialisation (~0.2 s for gpt_tiny).
-
-Entries are untrusted until proven otherwise: they hold pickles and native code, and a run
-directory may be copied from elsewhere or writable by someone else. Each file starts with an
-HMAC-SHA256, under a per-user key kept outside the run directory
-($JAXPAR_CACHE_KEY, else $XDG_CACHE_HOME/jaxpar/compile-cache.key or
-~/.cache/jaxpar/compile-cache.key, created 0600), of its cache key and contents. A file is
-deserialised only when the MAC matches and neither it nor its folder is writable by other users
-or owned by someone else; otherwise the program is compiled again (and the entry rewritten).
-Processes on several hosts sharing one run directory need the same key file to share entries.
-
-A second, shared tier (`run.compile_cache_dir`, else $JAXPAR_COMPILE_CACHE_DIR) serves runs that
-compile the same programs (a sweep of one model, a test suite): a program missing from the run
-directory is looked up there, and what is compiled is written to both. An entry found there is
-copied into RUN_DIR/compiled, so a restart of this run never depends on the shared folder. It is
-authenticated the same way, and kept to its newest `KEEP_SHARED` entries per process index.
+Why not jax's own cache, the key, authentication, the shared tier: docs/design.md, "Compiled programs".
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """The local snapshot tier: the whole training state in node-local RAM every few steps.
 
-Every `ckpt.local_every` steps each process copies its addressable shards of the whole state
-pytree (params, optimizer state, error-feedback residuals, step, RNG; the data position is the
-step) into a fresh device buffer — one dispatched copy, so the next step may donate the state —
-and a background thread writes them to `LOCAL_ROOT/run-<key>/proc<P>/slot{0,1}/`: `data.bin`
-(each distinct block once) and, last, `commit.json` (the commit marker: step, the binding below,
-each block's offset, size and CRC-32). The loop waits only when the previous snapshot is still
-being written (at most two snapshots of a process exist at any time: the newest committed one
-and the one in progress). With more than one node, the writer also sends each snapshot to a
-process on the next node (jaxpar/recovery/peer_tier.py), which keeps it in its own local tier. The slot
-layout and the cross-process exchange both use are in jaxpar/recovery/local_tier_store.py.
-
-Double buffering across processes: before a process overwrites its older slot it waits (in its
-writer thread, on jax's coordination key-value store) until every process has committed its
-previous snapshot. So the newest step whose snapshot every process has committed is always
-held by every process (and, with peers, by each one's peer).
-
-Restore (`LocalTier.restore`): each process lists its verified slots (marker binding equal to
-this run's, sizes right) and, on each node's first process, the peer copies it holds; the lists
-are exchanged; the newest step complete over all processes wins if it is not older than the
-newest persistent checkpoint. Each process then reads its blocks (or fetches them from the
-process holding its peer copy), checks every CRC, and the processes agree that all succeeded;
-otherwise that step is rejected (`snapshot_rejected`) and the next older one is tried. When
-snapshots at least as new as the persistent checkpoint exist but none is used (rejected, or held
-by only some processes), `fallback` says so and the trainer announces the fallback to the
-persistent checkpoint or a fresh start (`local_fallback`).
-
-Snapshots are untrusted input: a marker is used only if its binding — this run (a hash of the
-run directory's path and its identity, jaxpar/recovery/local_tier_clean.py), config hash, process count and index, mesh, and a digest of every leaf's path,
-shape, dtype and block-to-device layout — equals this process's. A snapshot of another layout
-is never used (the persistent checkpoint, which reshards, is).
-
-`ckpt.local_every`: -1 (default) picks 1 when a process's share of the state is at most
-AUTO_BYTES (a copy of that size takes well under a step of any model that large), else every
-ceil(bytes / AUTO_BYTES) steps; 0 turns the tier off. `ckpt.local_dir` (else JAXPAR_LOCAL_DIR,
-else /dev/shm/jaxpar-<uid>) is the root.
+Each process copies its shards of the state on device and a background thread writes them to
+`LOCAL_ROOT/run-<key>/proc<P>/slot{0,1}/` (data, then a commit marker); a restart restores the
+newest step every process holds, verified and bound to this run and layout. Design (double
+buffering, restore, binding, `ckpt.local_every`): docs/design.md, "Recovery tiers".
 """
 
 from __future__ import annotations

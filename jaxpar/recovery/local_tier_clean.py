@@ -1,21 +1,8 @@
-"""Ownership and clean-up of the local snapshot tier's folders (jaxpar/recovery/local_tier.py), so that node
-RAM (/dev/shm) does not fill with the snapshots of runs nobody can resume.
+"""Ownership and clean-up of the local snapshot tier's folders (jaxpar/recovery/local_tier.py), so
+that node RAM (/dev/shm) does not fill with the snapshots of runs nobody can resume.
 
-A run directory gets an identity on its first start: RUN_DIR/local_tier_id, a random token
-created once (atomically, by whichever process comes first) and never rewritten. Each node folder
-`LOCAL_ROOT/run-<key>/` carries an owner marker `owner.json` {"created_by", "run_dir",
-"run_id"}, written before any snapshot, and every snapshot's binding holds the run_id: a run
-directory deleted and made again at the same path never restores the old one's snapshots.
-
-At each start every process of the run (`prepare`) removes, on its node:
-- the node folders whose owner's run directory no longer exists, or holds another run_id (it
-  was deleted and made again): nobody can restore from them;
-- in this run's folder: all of it when it belongs to an earlier run directory at this path, and
-  the folders of process indices that this incarnation does not have (a shrunk job).
-Only folders under the root that are real directories (never a symlink), owned by this user
-and carrying a readable owner marker are touched; anything else, e.g. a folder an older jaxpar
-left without a marker, is left alone. Snapshots of a run directory that still exists are kept
-(a later start resumes from them) until the run finishes (`LocalTier.close(complete=True)`).
+The run directory's identity (RUN_DIR/local_tier_id), the owner marker, what each start removes
+and what it never touches: docs/design.md, "Recovery tiers", "Clean-up".
 """
 
 from __future__ import annotations

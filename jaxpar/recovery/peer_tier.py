@@ -1,18 +1,8 @@
 """Peer copies of local snapshots: each node's snapshots also live in another node's RAM.
 
-At start-up (`Peers.meet`) every process starts a small TCP server, and the processes exchange,
-over jax's coordination key-value store, what each holds: its own verified snapshot steps, the
-peer copies found in its node's directory, its node (host name + local tier directory: two
-agents on one machine with different tier directories are two nodes) and its server address.
-With two or more nodes, process P's snapshots go to the process of the same local rank on the
-next node (nodes ordered by their lowest process index, in a ring); that process keeps the last
-two in `<its node dir>/peer/proc<P>/slot{0,1}/`, committed like its own. A process whose own
-snapshot is gone (its node was lost) fetches the copy from whichever process now holds it.
-
-Protocol: one JSON header line, then raw bytes. `put` {src, marker} + marker.nbytes bytes ->
-{"ok": true}; `get` {src, step} -> {"ok": true, "marker", "nbytes"} + the bytes. Every request
-carries the group's token (a random value of process 0, shared only through the coordination
-service); sizes are bounded; everything received is verified by its reader like any snapshot.
+Every process runs a small TCP server; process P's snapshots go to the process of the same local
+rank on the next node (a ring), and a process whose own snapshot is gone fetches the copy. The
+ring, the protocol and its token: docs/design.md, "Recovery tiers", "Peer copies".
 """
 
 from __future__ import annotations

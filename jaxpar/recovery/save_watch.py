@@ -1,15 +1,8 @@
 """A checkpoint write that failed on this process is seen at once, not after orbax's timeout.
 
-In a multi-process job every process writes its shards of a checkpoint in an orbax background
-thread, then waits at a barrier for the others. When the write fails on one process (e.g. a full
-disk: another writer filled it after jaxpar's free-space check), that thread raises without
-reaching the barrier, and orbax's save-finalize thread then enters a second barrier the other
-processes never reach: every process's `wait_until_finished` blocks until orbax's timeout
-(10 minutes), and `check_for_errors` never sees the error.
-
-`install()` records the error of this process's failed write as it happens; `wait()` waits for
-the save in flight but raises a recorded error as soon as there is one, and `failed()` hands it
-to the per-step check, so the failing process exits at once and the supervisor stops the group.
+`install()` records this process's failed write as orbax's write thread raises it; `wait()` and
+`failed()` raise it without joining orbax's finalize thread, stuck at a barrier the other
+processes never reach. Why: docs/design.md, "Shrink, hangs, a full disk".
 """
 
 from __future__ import annotations

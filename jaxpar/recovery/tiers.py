@@ -1,18 +1,9 @@
 """Restore tiers: where a training process gets its starting state from, and saves it to.
 
-A tier holds copies of the whole training state: the local snapshot tier (node RAM, with peer
-copies on another node; `local_tier.py`, `peer_tier.py`) and the persistent Orbax checkpoints
-(`checkpoint.py`). The loop asks the tiers, fastest first, for the newest state it can use and
-saves through each when it is due:
+    tiers = build_tiers(TierSetup(...))        # TIERS, fastest first; a builder may return None
+    state, restored = restore_newest(tiers, init)   # then, after each step, t.save where t.due
 
-    tiers = build_tiers(TierSetup(...))        # TIERS, in order; a builder may return None
-    state, restored = restore_newest(tiers, init)
-    ... after each step: for t in tiers: if t.due(step): t.save(step, state)
-
-A tier restores only a state at least as new as what the slower tiers behind it hold (a tie
-goes to the faster one); a state it cannot use (a rejected or incomplete snapshot) makes way for
-the next tier, and that fallback is announced (event and console line), never silent. Adding a
-tier is one module with a class following `Tier` and one line in `TIERS`.
+The `Tier` interface, the order, fallbacks and adding a tier: docs/design.md, "Recovery tiers".
 """
 
 from __future__ import annotations

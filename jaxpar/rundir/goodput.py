@@ -1,21 +1,8 @@
 """The goodput ledger of a launched run: summary.json, and the lines `jaxpar launch` prints.
 
-Everything is computed from the run directory by jaxpar/rundir/runlog.py's one timeline builder, so the
-numbers `jaxpar launch` prints, summary.json and `jaxpar report` agree. One incident per
-supervisor detection (a group restart or a give-up), phase by phase (docs/design.md,
-"Recovery time"):
-
-    cause        `fault_injected` (when injected), else the supervisor's `failure`/`preemption`
-                 (minus a hang's stale time), else the newest record of the failed incarnation
-    detected     `failure` / `preemption` (written by the supervisor when it noticed)
-    stopped      `survivors_stopped`
-    new group    `group_started`
-    initialised  `start`         (worker: jax.distributed up, mesh and program built)
-    restored     `restore`
-    compiled     `compiled`
-    first step   the first metrics line of the new group
-
-Recovery time = first step - cause; `mttr_s` is its mean over incidents.
+Computed from the run directory by runlog.timeline(), so `jaxpar launch`, summary.json and
+`jaxpar report` agree: one incident per supervisor detection, phase by phase, and the wall-clock
+split by cause. Design: docs/design.md, "The timeline" and "Recovery time".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""Run-directory safety: one owner at a time, path checks before anything is written, and
-clearing of run-directory folders that never leaves the run directory.
+"""Run-directory safety: one owner at a time, path checks, clearing folders without leaving RUN_DIR.
 
-    rundir.check_path(run_dir)                       # ValueError: /proc, a file, not writable
-    lock = rundir.acquire(run_dir, "jaxpar launch")  # RunDirLocked (a ValueError) when held
-    env.update(lock.env())                           # workers run under this lock
-    ...
-    lock.release()
+    lock = ownership.acquire(run_dir, "jaxpar launch")  # RunDirLocked (a ValueError) when held
+    env.update(lock.env())                              # workers run under this lock
 
-The lock is RUN_DIR/lock, held with flock(2) for the owner's whole life; the file holds JSON
-{pid, host, owner, token, since} for the message a second run prints. The kernel drops a flock
-when its holder dies, so a lock left by a dead process (SIGKILL, a lost host) is taken over
-without guessing from its pid, which may be reused or live on another host. The file descriptor
-is not inherited by child processes (O_CLOEXEC).
-
-A supervisor (`jaxpar launch`) takes the lock once for the whole job and passes its token to its
-workers in JAXPAR_RUN_LOCK; a worker whose token matches the lock file's runs under its
-supervisor's lock (`acquire_or_inherit`). `python -m train` alone takes the lock itself (in a
-multi-process job without a supervisor, process 0 takes it for all).
+Design: docs/design.md, "Checks before writing, and one owner at a time".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The run-log schema: a run directory's files, every event name, its writers, readers and timeline.
 
-Everything a run leaves behind is defined here (docs/design.md, "Run directory"), and this module
-imports no jax: the supervisor, `jaxpar report`, the goodput ledger and the benches read run
-directories with it.
-
-    events.jsonl   one JSON object per line {"event", "time", "incarnation", ...}, each written
-                   with a single O_APPEND write (lines from several processes never interleave)
-    metrics.jsonl  one line per logged optimizer step (process 0); a step appears again after a
-                   restore, and readers take the last line per step
-    config.json    the resolved config;  summary.json  the end-of-run summary
-    incarnation    the current incarnation (count of `start` events before it)
-    checkpoints/ compiled/ tensorboard/ report/ heartbeats/ stacks/ logs/
-
-Event names are constants grouped by writer (`WorkerEvent`, `SupervisorEvent`). `timeline()` is
-the one builder of the incident timeline: the incarnations, the time accounting (where the
-wall-clock went), and one `Incident` per restart or give-up with its recovery phases; the
-summary printed by `jaxpar launch`, summary.json and report.md are all computed from it.
+Everything a run leaves behind is defined here, and this module imports no jax: the supervisor,
+`jaxpar report`, the goodput ledger and the benches read run directories with it. Design:
+docs/design.md, "Run directory", "Events" and "The timeline".
 """
 
 from __future__ import annotations

@@ -2,32 +2,8 @@
 
     jaxpar launch --nproc 4 --devices-per-proc 2 --run-dir runs/x -- python -m train --steps 200
 
-One agent per host. With --nnodes > 1 the agent of --node-rank 0 leads: it owns the policy and
-writes the supervisor events; the others run their own command line as local workers when it
-says so, over an authenticated TCP channel at --coordinator HOST:PORT, and report every worker
-exit. A failure anywhere restarts the whole job. The run directory must be shared (as Orbax
-checkpoints require). Workers get the environment described in jaxpar/worker/bootstrap.py; the summary is
-jaxpar/rundir/goodput.py's.
-
-Elastic shrink (a `fault_injected` with `permanent`, or a lost agent): the job continues on the
-largest process count >= --min-nproc that the global batch (RUN_DIR/config.json) divides, with
-the mesh's batch axes (jaxpar.engine.mesh.BATCH_AXES) shrunk and more gradient-accumulation
-microbatches so that each device keeps its rows per microbatch. The layout reaches the workers in
-their environment (JAXPAR_MESH, JAXPAR_MICROBATCHES), which the training loop applies over its
-command line, so any entrypoint can be shrunk.
-
-The pieces (none imports jax):
-
-    options    Options, their validation, the console voice
-    policy     pure decisions: exit causes, root cause, backoff, crash loop, shrink, stragglers,
-               the worker environment
-    monitor    heartbeats, the events tail, the hang decision, the step in progress
-    group      this host's workers and hot spares; wake-ups on child exit (pidfd)
-    standby    this host's standby group: the next group's workers, started ahead
-    transport  the agents' authenticated control channel: leader rendezvous, remote nodes,
-               the follower agent
-    incarnation  one group on every node: spawn, watch, record the failure, stop the survivors
-    loop       the leader's restart loop: restart, back off, give up or shrink
+One agent per host; no module of this package imports jax. Design: docs/design.md, "Supervisor
+and worker" (the pieces, shrink, hangs, the control channel); deployments: docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The control channel between agents (`jaxpar launch --nnodes N`): newline-delimited JSON over
-TCP, authenticated by a shared secret.
+TCP, authenticated by a shared secret (`token()`).
 
-Handshake (every connection, before anything else; 10 s to complete):
-
-    leader  -> {"challenge": NL}
-    follower-> {"hello": RANK, "nproc": K, "host": NAME, "nonce": NF, "mac": HMAC(T, f|NL|NF|RANK|K)}
-    leader  -> {"welcome": HMAC(T, l|NF|NL)}          or {"refused": REASON} and close
-
-T is the token (`token()`); a peer that cannot prove it is dropped (the leader records a
-`control_rejected` event), so neither side acts on a stranger's messages. Lines are at most
-MAX_LINE bytes (longer: the connection is closed), malformed messages are dropped, each
-connection is served by its own thread with timeouts. The channel authenticates peers; it does
-not encrypt (the spec carries no secrets) — run it on a trusted network.
+The handshake, what a leader may say, the limits and the binds: docs/design.md, "Several hosts:
+the control channel"; its security: docs/cluster.md.
 """
 
 from __future__ import annotations

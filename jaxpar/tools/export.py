@@ -1,17 +1,9 @@
 """`jaxpar export RUN_DIR --out FILE`: the trained parameters as one safetensors file.
 
     jaxpar export runs/a --out gpt.safetensors    # writes gpt.safetensors and gpt.config.json
+    model = load_model("gpt.safetensors")          # back as an nnx.Module (load(): the arrays)
 
-Only the parameters of the newest good checkpoint (no optimizer state), unsharded, float32 as
-trained, each named by its path in the model with dots (`blocks.w_qkv`, `tok_emb`, ...; stacked
-blocks keep their leading `layers` dimension). The model config goes beside the file as JSON
-(`model`, with `_class` naming the config dataclass; `step`; `parameters`). To load them back:
-
-    from jaxpar.tools.export import load_model
-    model = load_model("gpt.safetensors")         # an nnx.Module; model(tokens_BT) -> logits
-
-or `load(FILE)` for (model config, pure dict of numpy arrays) to merge into a model yourself.
-Any safetensors reader (numpy, torch, ...) reads the tensors by those names.
+The tensors' names, the config beside them and loading: docs/data.md, "Export".
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""A trained model read back from a run directory: its config and the newest checkpoint's
-parameters, restored onto one device whatever mesh saved them (for `jaxpar sample` and
-`jaxpar export`).
+"""A trained model read back from a run directory (`jaxpar sample`, `jaxpar export`): its config
+and the newest good checkpoint's parameters on one device, whatever mesh saved them; all of it
+untrusted input (docs/design.md, "Run directory").
 
     cfg, params, step = load_run("runs/a")       # TrainConfig, pure dict of arrays, step
     model = build_model(cfg, params)              # an nnx.Module holding them
-
-Everything read here is untrusted: config.json must name a model config dataclass with a
-`build` method, and each parameter's checksum must match the one saved with the checkpoint (an
-older checkpoint is used when the newest fails).
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 
     jaxpar report runs/gpt_tiny-20250101-120000
 
-Reads only the run-directory contract (jaxpar/rundir/runlog.py, docs/design.md): metrics.jsonl,
-events.jsonl, and config.json where present. Works for a finished run, a run with restarts,
-restores and shrinks, and a run still in progress (its timeline ends at the newest record). The
-time accounting and the incidents are runlog.timeline()'s, the same that summary.json and
-`jaxpar launch` print. Plots use matplotlib's object API (no pyplot), so rendering never changes
-the caller's backend.
+Reads only the run-directory contract, for a finished run or one in progress; its time accounting
+and incidents are runlog.timeline()'s. Design: docs/design.md, "The timeline".
 """
 
 from __future__ import annotations

@@ -3,15 +3,7 @@
     jaxpar sample runs/a --prompt "def main(" --max-new-tokens 40 --temperature 0
     jaxpar sample runs/a --prompt "import " --temperature 0.8 --top-k 20 --seed 1
 
-The newest good checkpoint is restored onto one device (whatever mesh saved it). The prompt is
-run through the model once (prefill), then each new token costs one `decode` call on that token
-alone: the model's `init_cache`/`decode` keep every earlier position's keys and values, so
-nothing is recomputed. Text goes through the run's tokenizer, which the run's data source says
-(jaxpar/data/codec.py): its `codec()` (bytes for the byte-level built-ins `stdlib_text` and
-`synthetic_text`), its `tokenizer_file` (a `tokens` folder's: the one its meta.json names), or
-the tokenizer named by meta.json in `data.path`, whatever the source's name. `--tokenizer FILE`
-overrides it. `--temperature 0` is greedy and deterministic; otherwise sampling is reproducible
-for a given `--seed`.
+The restore, the cache, the tokenizer and sampling: docs/data.md, "Sampling".
 """
 
 from __future__ import annotations

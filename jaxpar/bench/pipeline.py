@@ -25,16 +25,20 @@ from jaxpar.parallel.pipeline import Schedule
 from jaxpar.worker.training import compile_step, device_batch, setup
 
 LAYERS = 8
+# --quick (p = 2, m ∈ {1, 2, 4}): 4 layers, the fewest circular v = 2 takes on 2 stages (one per
+# stage and repeat); tracing and compiling the six schedules is most of a quick run and grows
+# with the layers, while the ticks and the bubble do not depend on them.
+QUICK_LAYERS = 4
 ROWS_PER_MICROBATCH = 2
 SCHEDULES = (("gpipe", 1), ("circular", 2))
 
 
-def _config(base: TrainConfig, schedule: str, m: int, v: int) -> TrainConfig:
+def _config(base: TrainConfig, schedule: str, m: int, v: int, layers: int) -> TrainConfig:
     if not hasattr(base.model, "n_layers"):
         raise ValueError("bench pipeline needs a model config with n_layers (e.g. gpt_tiny)")
     return dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, n_layers=LAYERS),
+        model=dataclasses.replace(base.model, n_layers=layers),
         data=dataclasses.replace(base.data, global_batch=m * ROWS_PER_MICROBATCH),
         pipeline=PipelineConfig(schedule, m, v),
     )
@@ -95,10 +99,11 @@ def run(b: Bench) -> dict:
     stages = (2,) if b.quick else (2, 4)
     micro = (1, 2, 4) if b.quick else (1, 2, 4, 8)
     rounds = 4 if b.quick else 10  # the fastest step is fitted: least disturbed by other load
+    layers = QUICK_LAYERS if b.quick else LAYERS
     rows = []
     for p in stages:
         for schedule, v in SCHEDULES:
-            cfgs = [_config(base, schedule, m, v) for m in micro]
+            cfgs = [_config(base, schedule, m, v, layers) for m in micro]
             for m, times in zip(micro, _time_group(cfgs, p, rounds), strict=True):
                 sched = Schedule(schedule, p, m, v)
                 rows.append({
@@ -110,7 +115,7 @@ def run(b: Bench) -> dict:
     result = {
         "suite": "pipeline",
         "recipe": base.name,
-        "model": f"{base.name} with {LAYERS} layers",
+        "model": f"{base.name} with {layers} layers",
         "rows_per_microbatch": ROWS_PER_MICROBATCH,
         "devices": f"{jax.devices()[0].platform} x {max(stages)}",
         "host_cpus": os.cpu_count(),

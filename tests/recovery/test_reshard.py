@@ -1,6 +1,9 @@
 """Resharded restore: a checkpoint saved on dp8 restores onto data=2,tensor=2 (4 devices), fsdp8
 and one device with parameters and optimizer state bitwise equal, and training continues with
 the losses of the run that never left dp8 (fp32 tolerance: the reductions differ by layout).
+The model is gpt_tiny made small (helpers.SMALL, as in the command-line test below): the point is
+the layouts a checkpoint moves between, not the model (sharded by the same rules: its weights
+still split over tensor and fsdp).
 
     python -m pytest tests/recovery/test_reshard.py -m slow
 """
@@ -13,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.config import apply_overrides
 from jaxpar.recovery.checkpoint import Checkpointer
 from jaxpar.rundir.writer import RunDir
 from tests.support.helpers import SMALL, cpu_env, losses, ok, run, train_cmd
@@ -38,7 +42,7 @@ def steps(jp, built, state, start, n) -> tuple[dict, list[float]]:
 @pytest.fixture(scope="module")
 def saved_on_dp8(jp, tmp_path_factory):
     """Train dp8 for 10 steps, save, train 5 more: (run dir, host state at 10, losses 11-15)."""
-    cfg = jp.recipe("gpt_tiny", steps=30)
+    cfg = apply_overrides(jp.recipe("gpt_tiny", steps=30), list(SMALL[1::2]))
     dp8 = jp.build(cfg, "dp8")
     state, _ = steps(jp, dp8, dp8.program.init(), 0, SAVED_AT)
     saved = host(state)

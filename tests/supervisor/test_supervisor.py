@@ -1,5 +1,5 @@
-"""`jaxpar launch` under real failures: 4 worker processes x 2 CPU devices of (a smaller) gpt_tiny,
-real jax.distributed over gloo on 127.0.0.1, real signals. Several failures share one run where
+"""`jaxpar launch` under real failures: 4 worker processes x 2 CPU devices (2 x 2 for the restart
+budget) of (a smaller) gpt_tiny, real jax.distributed over gloo on 127.0.0.1, real signals. Several failures share one run where
 each needs only its own incarnation (a fault spec fires once per run directory), so the suite
 starts fewer jobs. Every run is compared with one uninterrupted supervised run: losses identical (==) per step (last metrics line per step), or
 within fp32 tolerance after an elastic shrink (more microbatches change the summation order).
@@ -97,9 +97,12 @@ def test_kill_hang_sigterm_nan_in_one_run_each_restarts_exact(tmp_path, referenc
 
 
 def test_restart_budget_exhausted_keeps_checkpoints(tmp_path):
-    # no spares: the second group fails too, so spares started for a third would go unused
+    # no spares: the second group fails too, so spares started for a third would go unused; 2
+    # processes x 2 devices: the budget, not the group's size, is the point (and nothing is
+    # compared with the 4-process reference)
     args = ["--no-spares", "--max-restarts", "1", "--fault", "kill@4:process=1:repeat"]
-    run = _launch(tmp_path, *args, every=2)
+    run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", *args],
+                 train_cmd(STEPS, 2))  # fmt: skip
     try:
         rc = run.wait(WAIT)
     finally:

@@ -12,9 +12,12 @@ tests/support/helpers.py, which share one persistent compilation cache per pytes
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = int(os.environ.get("JAXPAR_TEST_DEVICES", "8"))
@@ -60,6 +63,8 @@ def pytest_configure(config):
 
 PARITY_STEPS = programs.PARITY_STEPS
 IN_PROCESS_CACHE_MIN_S = 2.0  # compile time from which a test process's program is cached
+# The folder all processes of a session share (its xdist workers, a child pytest): set once below
+SESSION_ENV = "JAXPAR_TEST_SESSION_DIR"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -89,6 +94,7 @@ def _session_compilation_cache(tmp_path_factory):
     tests.support.helpers.cpu_env); a child pytest (rerun_with_devices) keeps its parent's."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one for all workers
+    os.environ.setdefault(SESSION_ENV, str(shared))
     cache = os.environ.setdefault(helpers.CACHE_ENV, str(shared / "jax-cache"))
     # The test processes share it too: a test that builds a program another test (on any worker)
     # already compiled loads it. Only programs that took seconds go in, so the compiled-program
@@ -165,17 +171,26 @@ CKPT_STEPS, CKPT_EVERY = 30, 10
 
 
 @pytest.fixture(scope="session")
-def ckpt_reference(tmp_path_factory):
+def ckpt_reference(_session_compilation_cache):
     """An uninterrupted `python -m train` run dir: gpt_tiny made small (helpers.SMALL), 30 steps,
     a save every 10, 8 devices.
 
     The reference of the checkpoint-fault, local-tier, reshard and run-directory tests, which copy
-    it or compare with it (their runs pass helpers.SMALL too: the same config and program).
+    it or compare with it (their runs pass helpers.SMALL too: the same config and program). It
+    is run once per session, not once per xdist worker: it lives in the session's shared folder,
+    and the first worker that needs it runs it while the others wait on a lock.
     """
-    run_dir = tmp_path_factory.mktemp("ckpt-reference") / "run"
-    every = f"ckpt.every={CKPT_EVERY}"
-    cmd = helpers.train_cmd(run_dir, "--set", every, *helpers.SMALL, steps=CKPT_STEPS)
-    helpers.ok(helpers.run(cmd))
+    shared = Path(os.environ[SESSION_ENV])
+    run_dir, complete = shared / "ckpt-reference" / "run", shared / "ckpt-reference" / "complete"
+    run_dir.parent.mkdir(exist_ok=True)
+    with open(shared / "ckpt-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not complete.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a worker's run that failed
+            every = f"ckpt.every={CKPT_EVERY}"
+            cmd = helpers.train_cmd(run_dir, "--set", every, *helpers.SMALL, steps=CKPT_STEPS)
+            helpers.ok(helpers.run(cmd))
+            complete.touch()
     return run_dir
 
 

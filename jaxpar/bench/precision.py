@@ -59,10 +59,9 @@ def _measure(cfgs: list[TrainConfig], reps: int, tmp: str) -> list[dict]:
     for i, cfg in enumerate(cfgs):
         s = setup(cfg, layout, os.path.join(tmp, str(i)), devices=jax.devices()[:1])
         compiled, compile_s = compile_step(s)
-        one = jax.device_put(np.float32(1.0), s.program.state_shardings["step"])
         spec = data_lib.batch_spec(s.source, cfg.data.global_batch)
         saved = saved_for_backward_bytes(cfg, s.program, spec)
-        runs.append({"s": s, "step": compiled, "state": s.program.init(), "one": one,
+        runs.append({"s": s, "step": compiled, "state": s.program.init(),
                      "times": [], "compile_s": compile_s, "saved_bytes": saved,
                      **_memory(compiled)})  # fmt: skip
     for r in range(reps + 2):  # two warm-up rounds
@@ -70,7 +69,7 @@ def _measure(cfgs: list[TrainConfig], reps: int, tmp: str) -> list[dict]:
             s = run["s"]
             batch = device_batch(s, r)
             t0 = time.perf_counter()
-            run["state"], m = run["step"](run["state"], batch, run["one"])
+            run["state"], m = run["step"](run["state"], batch)
             run["loss"] = float(jax.device_get(m["loss"]))
             if r >= 2:
                 run["times"].append(time.perf_counter() - t0)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,6 +32,9 @@ LOSS_RTOL = 2e-6  # first-step loss, relative
 GRAD_ATOL = 2e-6  # first-step gradients (the largest is ~0.9)
 LOSSES_RTOL = 1e-5  # later steps: Adam amplifies roundoff
 CHILD = "JAXPAR_PIPELINE_CHILD"
+# A folder with the parent's one-device references (ref{layers}.pkl): its child processes load
+# them instead of training the reference again, each of them
+REFERENCES = "JAXPAR_PIPELINE_REFERENCES"
 # The tests that run in child processes: their own xdist group (tests/conftest.py)
 CHILDREN = pytest.mark.xdist_group("parallel/test_pipeline.py:children")
 
@@ -66,12 +71,17 @@ def train(jp, cfg: TrainConfig, layout: str) -> Result:
 
 @pytest.fixture(scope="module")
 def reference(jp):
-    """The unpipelined model on one device, per layer count."""
+    """The unpipelined model on one device, per layer count (in a child process: the parent's)."""
     cache = {}
 
     def get(layers: int) -> Result:
         if layers not in cache:
-            cache[layers] = train(jp, tiny(layers), "cpu1")
+            shared = os.path.join(os.environ.get(REFERENCES, ""), f"ref{layers}.pkl")
+            if os.environ.get(REFERENCES) and os.path.exists(shared):
+                with open(shared, "rb") as f:
+                    cache[layers] = Result(*pickle.load(f), compiled=None)
+            else:
+                cache[layers] = train(jp, tiny(layers), "cpu1")
         return cache[layers]
 
     return get
@@ -169,6 +179,14 @@ def test_parity_grid(jp, reference, schedule, v, p, m):
     check_parity(jp, reference, f"pp{p}", schedule, m, v, 8 if p * v > 4 else 4)
 
 
+def _share(reference, layers, tmp_path, monkeypatch) -> None:
+    """Hand the one-device reference to the child processes (through REFERENCES)."""
+    ref = reference(layers)
+    with open(tmp_path / f"ref{layers}.pkl", "wb") as f:
+        pickle.dump((ref.losses, ref.grads), f)
+    monkeypatch.setenv(REFERENCES, str(tmp_path))
+
+
 def _in_child(request, layout) -> bool:
     """True in a subprocess running this test (XLA CPU may abort a process for some layouts)."""
     if os.environ.get(CHILD):
@@ -197,15 +215,19 @@ def _in_child(request, layout) -> bool:
         ("fsdp2_tp2_pp2", "gpipe", 4, 1),
     ],
 )
-def test_combined_layouts(request, jp, reference, layout, schedule, m, v):
+def test_combined_layouts(request, jp, reference, tmp_path, monkeypatch, layout, schedule, m, v):
+    if not os.environ.get(CHILD):
+        _share(reference, 4, tmp_path, monkeypatch)
     if _in_child(request, layout):
         check_parity(jp, reference, layout, schedule, m, v, 4)
 
 
 @pytest.mark.slow
 @CHILDREN
-def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference):
+def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference, tmp_path, monkeypatch):
     """data=2·fsdp=2·tensor=2·pipeline=2 in a 16-device subprocess: exact, one DP reduction."""
+    if jax.device_count() != 16:
+        _share(reference, 4, tmp_path, monkeypatch)  # the one-device program: any device count
     if rerun(16, timeout=600):
         return
     check_parity(jp, reference, "data=2,fsdp=2,tensor=2,pipeline=2", "gpipe", 4, 1, 4)

@@ -8,41 +8,51 @@ import pytest
 
 # The cluster tests share one worker: they start one SLURM cluster and namespace hosts with fixed
 # addresses (never two at once). Every other module is a group of its own (module fixtures built
-# once), unless a test names its group (`pytest.mark.xdist_group`). The longest groups start
-# first so that no worker is left with a long tail: seconds per group from `pytest
-# --durations=0` on a 2-core machine (4 workers), rounded (a wrong figure only changes the order).
+# once) or shares one with the modules that build its programs (SHARED), unless a test names its
+# group (`pytest.mark.xdist_group`). The longest groups start first so that no worker is left with
+# a long tail: seconds per group from `pytest --durations=0` on a 2-core machine (4 workers),
+# rounded (a wrong figure only changes the order).
 CLUSTER = "cluster"
 # test_pipeline.py's tests that run in child processes form a group of their own (the module's
 # two halves run on two workers).
 PIPELINE_CHILDREN = "parallel/test_pipeline.py:children"
+# Modules that compile and train the same gpt_tiny layouts through conftest's session fixtures
+# (`compiled`, `runs`: dp8, fsdp8, dp2_tp4 of 5 steps): one group, so that one worker compiles and
+# trains each of them once for all three.
+GPT_TINY_LAYOUTS = "gpt_tiny_layouts"
+SHARED = {
+    "parallel/test_parity.py": GPT_TINY_LAYOUTS,
+    "engine/test_precision.py": GPT_TINY_LAYOUTS,
+    "parallel/test_step_audit.py": GPT_TINY_LAYOUTS,
+}
 LONGEST_FIRST = {
     "bench/test_bench_recovery.py": 750,
+    GPT_TINY_LAYOUTS: 560,  # test_precision 300 + test_parity 270 + test_step_audit, less shared
     "recovery/test_checkpoint_faults.py": 550,
     CLUSTER: 470,
-    "bench/test_bench_quick.py": 330,
     "api/test_notebook.py": 300,
-    "engine/test_precision.py": 300,
-    "recovery/test_resume_2proc.py": 280,
-    "parallel/test_parity.py": 270,
     "supervisor/test_supervisor.py": 270,
+    "recovery/test_resume_2proc.py": 240,
     "parallel/test_pipeline.py": 240,
     "data/test_data_e2e.py": 240,
     PIPELINE_CHILDREN: 230,
+    "bench/test_bench_quick.py": 210,
     "recovery/test_local_resume_2proc.py": 210,
-    "recovery/test_reshard.py": 110,
     "api/userproj/test_userproj.py": 110,
     "supervisor/test_standby_teardown.py": 100,
     "parallel/test_comm.py": 100,
     "api/test_install.py": 100,
     "api/test_train_cli.py": 60,
+    "recovery/test_reshard.py": 60,
     "worker/test_hardening_process.py": 60,
 }
 
 
 def group_of(item: pytest.Item, repo: str) -> str:
-    """The test's xdist group: its own `xdist_group` marker, else its module (or the cluster)."""
+    """The test's xdist group: its own `xdist_group` marker, else its module's (SHARED, the
+    cluster, or the module itself)."""
     marker = item.get_closest_marker("xdist_group")
     if marker is not None:
         return marker.args[0] if marker.args else marker.kwargs["name"]
     rel = os.path.relpath(str(item.path), os.path.join(repo, "tests")).split(os.sep)
-    return CLUSTER if rel[0] == CLUSTER else "/".join(rel)
+    return CLUSTER if rel[0] == CLUSTER else SHARED.get("/".join(rel), "/".join(rel))

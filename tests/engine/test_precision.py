@@ -4,7 +4,8 @@ bf16 compute keeps float32 parameters, optimizer state and gradient all-reduces,
 matmuls, and trains within 2e-2 of float32; rematerialisation changes memory, not values.
 Tensor-parallel and pipelined bf16 run in a subprocess: XLA CPU has aborted the whole process
 (no Python exception) compiling some bf16 collectives, and such an abort must fail one test,
-not end the session.
+not end the session. Their float32 runs need none: tensor-parallel float32 is the session's run
+of that layout (conftest's `runs`, which test_parity trains too).
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ import json, os, sys
 sys.path.insert(0, os.getcwd())
 from tests.support import programs
 from jaxpar.config import apply_overrides
-layout, sets = sys.argv[1], sys.argv[2:]
+steps, names, layout, sets = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
+extra = {"fp32": [], "bf16": ["precision.compute=bfloat16"]}
 out = {}
-for name, extra in (("fp32", []), ("bf16", ["precision.compute=bfloat16"])):
-    cfg = apply_overrides(programs.recipe("gpt_tiny", 3), sets + extra)
+for name in names:
+    cfg = apply_overrides(programs.recipe("gpt_tiny", steps), sets + extra[name])
     c = programs.compile_layout(cfg, layout)
     out[name] = programs.train(c).losses.tolist()
     out[name + "_collectives"] = sorted({(x.kind, x.dtype) for x in c.colls})
@@ -143,11 +145,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _child(jp, layout: str, *sets: str) -> dict:
+def _child(jp, steps: int, names: tuple[str, ...], layout: str, *sets: str) -> dict:
+    """gpt_tiny with `sets`, `steps` steps on `layout` in precisions `names`, in a subprocess."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {helpers.XLA_TEST_FLAGS}"
+    argv = [str(steps), ",".join(names), layout, *sets]
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, layout, *sets], cwd=jp.REPO, env=env, capture_output=True,
+        [sys.executable, "-c", CHILD, *argv], cwd=jp.REPO, env=env, capture_output=True,
         text=True, timeout=900,
     )  # fmt: skip
     tail = (proc.stdout[-2000:] + proc.stderr[-3000:]).strip()
@@ -162,8 +166,12 @@ def _child(jp, layout: str, *sets: str) -> dict:
     [("dp2_tp4", ()), ("pp2", ("model.remat=block",))],
     ids=["dp2_tp4", "pp2_remat"],
 )
-def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, layout, sets):
-    got = _child(jp, layout, *sets)
+def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, runs, layout, sets):
+    if sets:  # a variant no other test trains: both precisions in the child, 3 steps
+        got = _child(jp, 3, ("fp32", "bf16"), layout, *sets)
+    else:  # float32 is the session's run of the layout (test_parity's: the same xdist group)
+        got = _child(jp, jp.PARITY_STEPS, ("bf16",), layout)
+        got["fp32"] = runs("gpt_tiny", layout).losses.tolist()
     print(got)
     assert np.all(np.isfinite(got["bf16"]))
     assert jp.max_rel(got["bf16"], got["fp32"]) <= LOSS_RTOL_BF16

@@ -335,13 +335,20 @@ class Incarnation:
 
     def phases(self) -> list[tuple[float, float, str]]:
         """start -> restore (`restore`), then -> `compiled` (`compile`): the step compiles while
-        the checkpoint is read, so compile counts only what the restore did not hide."""
+        the checkpoint is read, so compile counts only what the restore did not hide. Without a
+        `compiled` event the compile ends where the first step begins (else at the newest
+        record): it never overlaps the steps, which are counted on their own."""
         out, t = [], self.start
         restore, compiled = self.first(WorkerEvent.RESTORE), self.first(WorkerEvent.COMPILED)
         if restore is not None:
             out.append((t, restore["time"], "restore"))
             t = restore["time"]
-        out.append((t, compiled["time"] if compiled else max(t, self.end), "compile"))
+        if compiled is not None:
+            end = compiled["time"]
+        else:
+            begun = [x["time"] - x.get("step_time_s", 0.0) for x in self.train]
+            end = min(begun) if begun else self.end
+        out.append((t, max(t, end), "compile"))
         return out
 
 

@@ -27,17 +27,46 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _int_at_least(low: int):
+MAX_STEPS = 2**31 - 1  # step numbers are int32 on the device (config.RANGES says the same)
+
+
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            allowed = f">= {low}" if high is None else f"in [{low}, {high:,}]"
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value:,}")
         return value
 
     return parse
+
+
+def _finite_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= low and value != float("inf")):  # also false for NaN
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _utf8_text(text: str) -> str:
+    """Text from the command line, which Python decodes with surrogateescape: refuse bytes that
+    are not UTF-8 instead of failing later with an encoder's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            "not valid UTF-8 text; give the prompt in UTF-8 (e.g. iconv -t UTF-8)"
+        ) from None
+    return text
 
 
 def _help_asked(argv: list[str] | None) -> bool:
@@ -85,8 +114,8 @@ def add_train_arguments(
         help="preset name (jaxpar.meshes.PRESETS) or 'data=2,tensor=4' (default: the recipe's)",
     )  # fmt: skip
     p.add_argument(
-        "--steps", type=_int_at_least(1), default=None,
-        help="optimizer steps, >= 1 (default: the recipe's train.steps)",
+        "--steps", type=_int_at_least(1, MAX_STEPS), default=None,
+        help=f"optimizer steps, 1..{MAX_STEPS:,} (default: the recipe's train.steps)",
     )  # fmt: skip
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/RECIPE-TIME)")
     p.add_argument(
@@ -213,10 +242,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _add_model_parsers(sub) -> None:
     sam = sub.add_parser("sample", help="generate text from a run's newest checkpoint (KV cache)")
     sam.add_argument("run_dir", metavar="RUN_DIR")
-    sam.add_argument("--prompt", required=True, help="text to continue")
-    sam.add_argument("--max-new-tokens", type=int, default=None, help="default: fill the context")
-    sam.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (deterministic)")
-    sam.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    sam.add_argument("--prompt", required=True, type=_utf8_text, help="text to continue (UTF-8)")
+    sam.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
+                     help="default: fill the context")  # fmt: skip
+    sam.add_argument("--temperature", type=_finite_at_least(0.0), default=1.0,
+                     help="a finite number >= 0; 0 = greedy (deterministic)")  # fmt: skip
+    sam.add_argument("--top-k", type=_int_at_least(0), default=0,
+                     help="sample among the k likeliest, >= 0 (0: all)")  # fmt: skip
     sam.add_argument("--seed", type=int, default=0)
     sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
     sam.set_defaults(func=cmd_sample)
@@ -234,10 +266,12 @@ def _add_data_parser(sub) -> None:
     )
     pre.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or folders")
     pre.add_argument("--out", required=True, metavar="DIR", help="output folder (new)")
-    pre.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 4096)")
+    pre.add_argument("--vocab-size", type=int, default=None,
+                     help="BPE vocabulary, 257..1048576 (default 4096)")  # fmt: skip
     pre.add_argument("--val-fraction", type=float, default=0.05, help="share of bytes for val")
     pre.add_argument("--tokenizer", default=None, help="use this tokenizer.json, do not train one")
-    pre.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
+    pre.add_argument("--shard-tokens", type=_int_at_least(1), default=100_000_000,
+                     help="tokens per shard")  # fmt: skip
     pre.add_argument("--no-progress", action="store_true", help="no progress display")
     pre.set_defaults(func=cmd_data_prepare)
 

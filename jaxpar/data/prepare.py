@@ -8,9 +8,12 @@ What it reads and writes: docs/data.md, "Preparing a corpus" and "The token-file
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -19,13 +22,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar.data.tokens import FORMAT, META, VERSION
+from jaxpar.rundir.ownership import check_path
 
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB = 4096
-_MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
+MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
+MAX_VOCAB = 1 << 20  # past any BPE vocabulary in use; the trainer aborts the process near 1e9
 _DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 _SKIP_DIRS = ("__pycache__",)
 _ENCODE_CHUNK = 256  # documents per encode_batch call (tokenizers runs them in parallel)
+# The BPE trainer's and encoder's work grows with the square of a pre-token's length (one 1 MB
+# word took minutes), so runs of non-space (or space) characters are cut every _MAX_RUN characters
+# before the tokenizer sees them: a word that long is no word, and ordinary text is never cut.
+_MAX_RUN = 256
+_LONG_RUN = re.compile(rf"\S{{{_MAX_RUN + 1},}}|\s{{{_MAX_RUN + 1},}}")
 
 
 @dataclass(frozen=True)
@@ -36,35 +46,62 @@ class Doc:
     sha256: str
 
 
-def input_files(inputs: list[str]) -> list[str]:
-    """The files named by `inputs` (folders walked recursively, sorted); ValueError if none."""
+def input_files(inputs: list[str]) -> tuple[list[str], list[str]]:
+    """(files to read, skipped paths) named by `inputs`; ValueError if there are none.
+
+    A folder is walked recursively in sorted order. An INPUT that is a symlink is followed; a
+    symlink met inside a folder (to a file or a folder) is not, and is listed as skipped, as is
+    anything that is not a regular file. Each file is read once, however many names reach it."""
     if not inputs:
         raise ValueError("no INPUT given: jaxpar data prepare FILE_OR_FOLDER... --out DIR")
-    files = []
+    files, skipped, seen = [], [], set()
+
+    def add(path: str, st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            skipped.append(path)
+        elif (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            files.append(path)
+
     for item in inputs:
-        if os.path.isfile(item):
-            files.append(item)
-        elif os.path.isdir(item):
-            found = []
-            for directory, subdirs, names in os.walk(item):
-                subdirs[:] = sorted(
-                    d for d in subdirs if not d.startswith(".") and d not in _SKIP_DIRS
-                )
-                found += [os.path.join(directory, n) for n in names if not n.startswith(".")]
-            if not found:
-                raise ValueError(f"input folder {item} holds no files; give a folder of text files")
-            files += sorted(found)
-        else:
-            raise ValueError(f"input {item}: no such file or folder")
-    return files
+        try:
+            st = os.stat(item)
+        except OSError as e:
+            why = "a symlink that does not resolve" if os.path.islink(item) else e.strerror
+            raise ValueError(f"input {item}: {why}; give text files or folders") from None
+        if not stat.S_ISDIR(st.st_mode):
+            add(item, st)
+            continue
+        found = []
+        for directory, subdirs, names in os.walk(item):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in _SKIP_DIRS)
+            found += [os.path.join(directory, n) for n in subdirs + names if not n.startswith(".")]
+        before = len(files) + len(skipped)
+        for path in sorted(found):
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+                entry = os.lstat(path)
+                if stat.S_ISLNK(entry.st_mode):
+                    skipped.append(path)  # symlinks inside a folder are never followed
+                elif not stat.S_ISDIR(entry.st_mode):
+                    add(path, entry)
+        if len(files) + len(skipped) == before:
+            raise ValueError(f"input folder {item} holds no files; give a folder of text files")
+    if not files:
+        raise ValueError(
+            f"no regular files among the inputs (skipped {skipped[:3]}); give text files"
+        )
+    return files, skipped
 
 
 def read_docs(files: list[str]) -> tuple[list[Doc], list[str]]:
     """(UTF-8 text documents, skipped paths). ValueError when nothing readable remains."""
     docs, skipped = [], []
     for path in files:
-        with open(path, "rb") as f:
-            raw = f.read()
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"input {path}: unreadable ({e.strerror}); leave it out") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -104,11 +141,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, progress: bool):
     """A byte-level BPE tokenizer with `vocab_size` entries (EOT included)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < _MIN_VOCAB:
-        raise ValueError(
-            f"--vocab-size {vocab_size} is below {_MIN_VOCAB} (256 bytes + end-of-text); "
-            f"use >= {_MIN_VOCAB}, e.g. 512"
-        )
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,6 +151,25 @@ def train_tokenizer(texts: list[str], vocab_size: int, progress: bool):
     )  # fmt: skip
     tok.train_from_iterator(texts, trainer, length=len(texts))
     return tok
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is outside {MIN_VOCAB}..{MAX_VOCAB} (at least 256 bytes + "
+            f"end-of-text); use e.g. 4096"
+        )
+
+
+def pieces(text: str) -> list[str]:
+    """`text` cut inside runs longer than _MAX_RUN characters (every _MAX_RUN characters), so
+    that no pre-token is longer; text without such runs is one piece."""
+    cuts = [
+        at
+        for m in _LONG_RUN.finditer(text)
+        for at in range(m.start() + _MAX_RUN, m.end(), _MAX_RUN)
+    ]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 def load_tokenizer(path: str):
@@ -190,8 +242,10 @@ def _encode(tok, texts: list[str], writer: _ShardWriter, eot: int, bar: _Bar) ->
     count = 0
     for i in range(0, len(texts), _ENCODE_CHUNK):
         chunk = texts[i : i + _ENCODE_CHUNK]
-        for enc in tok.encode_batch(chunk, add_special_tokens=False):
-            ids = np.asarray(enc.ids + [eot], np.int64)
+        cut = [pieces(t) for t in chunk]
+        encoded = iter(tok.encode_batch([p for ps in cut for p in ps], add_special_tokens=False))
+        for ps in cut:
+            ids = np.asarray([t for _ in ps for t in next(encoded).ids] + [eot], np.int64)
             writer.write(ids)
             count += len(ids)
         bar.add(sum(len(t.encode("utf-8")) for t in chunk))
@@ -199,10 +253,11 @@ def _encode(tok, texts: list[str], writer: _ShardWriter, eot: int, bar: _Bar) ->
 
 
 def _chunks(texts: list[str], size: int = 1 << 20) -> Iterator[str]:
-    """Long documents in pieces of about `size` characters (BPE training memory stays flat)."""
+    """Long documents in pieces of about `size` characters (BPE training memory stays flat),
+    cut inside over-long runs too (`pieces`)."""
     for t in texts:
         for i in range(0, len(t), size):
-            yield t[i : i + size]
+            yield from pieces(t[i : i + size])
 
 
 def prepare(
@@ -218,10 +273,15 @@ def prepare(
     """Tokenize `inputs` into `out` (see the module docstring); returns the meta.json dict."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if vocab_size is not None:
+        check_vocab_size(vocab_size)
+    check_path(out, option="--out")
     if os.path.exists(os.path.join(out, META)):
         raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     t0 = time.time()
-    docs, skipped = read_docs(input_files(inputs))
+    files, not_files = input_files(inputs)
+    docs, skipped = read_docs(files)
+    skipped = not_files + skipped
     train, val = split_docs(docs, val_fraction)
     if not train or not val:
         raise ValueError(
@@ -230,13 +290,15 @@ def prepare(
         )
     if tokenizer:
         tok = load_tokenizer(tokenizer)
-        if vocab_size and vocab_size != tok.get_vocab_size():
+        if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise ValueError(
                 f"--vocab-size {vocab_size} but --tokenizer {tokenizer} has "
                 f"{tok.get_vocab_size()} entries; drop --vocab-size"
             )
     else:
-        tok = train_tokenizer(list(_chunks(train)), vocab_size or DEFAULT_VOCAB, progress)
+        tok = train_tokenizer(
+            list(_chunks(train)), DEFAULT_VOCAB if vocab_size is None else vocab_size, progress
+        )
     eot = tok.token_to_id(EOT)
     if eot is None:
         raise ValueError(f"the tokenizer has no {EOT} token; add it as a special token")

@@ -187,12 +187,12 @@ class LocalGroup:
         if not self.spares_due or self.spec is None or runlog.WorkerEvent.START not in self.seen:
             return
         self.spares_due = False
-        module = spare_lib.module_of(self.opts.command)
-        if module is None:  # a spare can only run `python -m MOD` of this interpreter
+        target = spare_lib.target_of(self.opts.command)
+        if target is None:  # a spare runs `python -m MOD` or `python SCRIPT` of this interpreter
             return
         for local_rank, pid in enumerate(self.spec["process_ids"]):
             env = self._env(self.spec, pid, local_rank)
-            env["JAXPAR_SPARE_MODULE"] = module
+            env[spare_lib.ENV_TARGET] = target
             path = os.path.join(self.log_dir, f"spare{local_rank}.log")
             with self._log(path) as log:
                 self.spares[local_rank] = subprocess.Popen(

@@ -1,11 +1,13 @@
 """A pre-started worker ("hot spare"): pays Python's and jax's import time before it is needed.
 
-`jaxpar launch` starts one spare per local process slot while a group trains. A spare imports
-jax and jaxpar's dependencies (no backend is initialised: device count and collectives are
-still open), then blocks on its stdin. When the group fails, the supervisor hands each spare the
-new incarnation as one JSON line, {"env": {...}, "argv": [...], "log": PATH}; the spare points
-its stdout/stderr at the worker log, takes that environment and runs the command in-process
-(`python -m MOD ARGS` via runpy, as `python -m` would). End of input releases it (exit 0).
+`jaxpar launch` starts one spare per local process slot while a group trains, when the command
+is `python -m MOD ARGS` or `python SCRIPT ARGS` of this interpreter. A spare imports jax and
+jaxpar's dependencies (no backend is initialised: device count and collectives are still open),
+then blocks on its stdin. When the group fails, the supervisor hands each spare the new
+incarnation as one JSON line, {"env": {...}, "argv": [...], "log": PATH}; the spare points its
+stdout/stderr at the worker log, takes that environment and runs the command in-process via
+runpy, as `python -m MOD` or `python SCRIPT` would (a script's directory first on sys.path, in
+place of the current one). End of input releases it (exit 0).
 
 What a cold start reads at import time must not differ: if an environment variable named JAX_*
 or XLA_* changed since the spare started, or a jax backend was already initialised, the spare
@@ -37,29 +39,60 @@ PRELOAD = (
     "jaxpar.worker.training",
     "jaxpar.recovery.checkpoint",
     "jaxpar.worker.bootstrap",
+    "jaxpar.api",  # an entrypoint of one's own (jaxpar.entrypoint, build, CheckpointManager)
 )
 IMPORT_TIME_PREFIXES = ("JAX_", "XLA_")
+ENV_TARGET = "JAXPAR_SPARE_TARGET"  # the supervisor's `target_of(command)`, for the preload
+
+
+def _this_interpreter(exe: str) -> bool:
+    path = shutil.which(exe)
+    same_dir = path and os.path.dirname(os.path.abspath(path)) == os.path.dirname(sys.executable)
+    # same interpreter, same venv (not another one, or a launcher script in front of one)
+    return bool(same_dir and os.path.samefile(path, sys.executable))
 
 
 def module_of(argv: list[str]) -> str | None:
     """MOD of `python -m MOD ...` with this interpreter, else None."""
     if len(argv) < 3 or argv[1] != "-m":
         return None
-    exe = shutil.which(argv[0])
-    same_dir = exe and os.path.dirname(os.path.abspath(exe)) == os.path.dirname(sys.executable)
-    if same_dir and os.path.samefile(exe, sys.executable):  # same interpreter, same venv
-        return argv[2]
-    return None  # another interpreter or venv (or a launcher script in front of one)
+    return argv[2] if _this_interpreter(argv[0]) else None
 
 
-def preload(command_module: str | None) -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
-    if command_module:  # the command's package (not its __main__), e.g. `train` for -m train
+def script_of(argv: list[str]) -> str | None:
+    """SCRIPT of `python SCRIPT ...` with this interpreter (a file, no interpreter options before
+    it), else None."""
+    if len(argv) < 2 or argv[1].startswith("-") or not os.path.isfile(argv[1]):
+        return None
+    return argv[1] if _this_interpreter(argv[0]) else None
+
+
+def target_of(argv: list[str]) -> str | None:
+    """What a spare can run of a command: `module:MOD` or `script:PATH`, else None."""
+    module = module_of(argv)
+    if module is not None:
+        return f"module:{module}"
+    script = script_of(argv)
+    return f"script:{script}" if script is not None else None
+
+
+def preload(target: str | None) -> None:
+    """Import what the command will (`target`: target_of's). A script runs with its own
+    directory first on sys.path instead of the current one, so the imports look there too."""
+    kind, _, name = (target or "").partition(":")
+    if kind == "script":
+        sys.path[0] = _script_dir(name)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    if kind == "module":  # the command's package (not its __main__), e.g. `train` for -m train
         try:
-            importlib.import_module(command_module.split(".")[0])
+            importlib.import_module(name.split(".")[0])
         except ImportError:
             pass
+
+
+def _script_dir(script: str) -> str:
+    return os.path.dirname(os.path.realpath(script))  # as `python SCRIPT` puts it on sys.path
 
 
 def backend_initialised() -> bool:
@@ -73,7 +106,7 @@ def backend_initialised() -> bool:
 
 def can_run_here(env: dict[str, str], argv: list[str]) -> bool:
     """Whether running `argv` in this process equals a cold start of it."""
-    if module_of(argv) is None or backend_initialised():
+    if target_of(argv) is None or backend_initialised():
         return False
     keys = {k for k in (*env, *os.environ) if k.startswith(IMPORT_TIME_PREFIXES)}
     return all(env.get(k) == os.environ.get(k) for k in keys)
@@ -100,15 +133,20 @@ def activate(msg: dict) -> None:
         os.execvpe(argv[0], argv, env)
     os.environ.clear()
     os.environ.update(env)  # the worker's environment, as an exec would set it
-    module = module_of(argv)
-    sys.argv = [module, *argv[3:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    module, script = module_of(argv), script_of(argv)
+    if module is not None:
+        sys.argv = [module, *argv[3:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *argv[2:]]
+        sys.path[0] = _script_dir(script)
+        runpy.run_path(script, run_name="__main__")
     sys.exit(0)
 
 
 def main() -> int:
     bootstrap.die_with_supervisor()  # no orphans: a spare dies with the supervisor
-    preload(os.environ.get("JAXPAR_SPARE_MODULE"))
+    preload(os.environ.get(ENV_TARGET))
     print(f"spare {os.getpid()}: ready", flush=True)
     line = sys.stdin.readline()
     if not line.strip():

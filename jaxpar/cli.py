@@ -433,7 +433,9 @@ def _add_launch_parser(sub) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="rank-0 agent's address (control channel; HOST also serves jax); IPv6 as [ADDR]:PORT",
+        help="rank-0 agent's address (control channel; HOST also serves jax); IPv6 as [ADDR]:PORT; "
+        "a wildcard such as 0 or 0.0.0.0 is refused (to listen on every interface, give the "
+        "host's address here and --host 0.0.0.0, which says so on the console)",
     )
     la.add_argument(
         "--host",

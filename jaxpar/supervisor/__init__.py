@@ -13,7 +13,14 @@ from jaxpar.supervisor.channel import Channel
 from jaxpar.supervisor.group import LocalGroup, LocalNode, Wakeup
 from jaxpar.supervisor.loop import Supervisor
 from jaxpar.supervisor.monitor import EventTail, Heartbeats, Monitor
-from jaxpar.supervisor.options import Options, check_options, free_port, say, split_address
+from jaxpar.supervisor.options import (
+    Options,
+    announce_binds,
+    check_options,
+    free_port,
+    say,
+    split_address,
+)
 from jaxpar.supervisor.policy import (
     THREAD_FLAGS,
     CrashLoop,
@@ -61,4 +68,5 @@ def main(opts: Options) -> int:
     """`jaxpar launch`: lead the job (node rank 0) or follow the leader."""
     if opts.nnodes > 1 and opts.node_rank != 0:
         return run_follower(opts)
+    announce_binds(opts)
     return Supervisor(opts).run()

@@ -1,5 +1,6 @@
 """The agents' control channel: newline-delimited JSON over TCP between agents that share a
-secret, with bounded messages (framing, the token, the authenticated connection)."""
+secret, with bounded messages (framing, the token, the per-message authentication of a session,
+the authenticated connection)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from jaxpar.supervisor.group import Wakeup
 from jaxpar.supervisor.options import TOKEN_ENV, TOKEN_FILE, Options
 
 MAX_LINE = 1 << 20  # bytes per message: a spec is a few hundred
-HANDSHAKE_S = 10.0
 MAX_SKIPPED = 64  # malformed messages in a row before the peer is dropped
 
 
@@ -81,6 +81,58 @@ def mac(key: bytes, *parts: object) -> str:
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
+def same(proof: object, expected: str) -> bool:
+    """Whether a peer's `proof` (any JSON value) is the MAC `expected` (constant time)."""
+    return isinstance(proof, str) and hmac.compare_digest(proof.encode(), expected.encode())
+
+
+def printable(text: object, limit: int = 200) -> str:
+    """A peer's text made safe to print: cut to `limit` characters, every control or format
+    character (terminal escapes, bidi overrides, newlines) written as its escape."""
+    s = str(text)
+    cut = s[:limit]
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in cut)
+    return out + ("..." if len(s) > limit else "")
+
+
+class Session:
+    """Per-message authentication once the handshake is done. Both sides derive the session key
+    HMAC-SHA256(T, "session|NL|NF") from the token and both nonces; every message travels as
+    {"n": SEQ, "body": JSON, "mac": HMAC-SHA256(key, "DIR|SEQ|JSON")}, DIR "l" from the leader
+    and "f" from a follower, SEQ counting 0, 1, ... per direction. A message whose MAC does not
+    verify, or whose SEQ is not the next one (replayed, reordered, dropped), is a ChannelError."""
+
+    def __init__(self, secret: bytes, leader_nonce: str, follower_nonce: str, *, leader: bool):
+        ctx = f"session|{leader_nonce}|{follower_nonce}".encode()
+        self.key = hmac.new(secret, ctx, hashlib.sha256).digest()
+        self.out_dir, self.in_dir = ("l", "f") if leader else ("f", "l")
+        self.sent = self.received = 0
+
+    def seal(self, msg: dict) -> dict:
+        body = json.dumps(msg)
+        n, self.sent = self.sent, self.sent + 1
+        return {"n": n, "body": body, "mac": mac(self.key, self.out_dir, n, body)}
+
+    def open(self, frame: dict) -> dict:
+        n, body = frame.get("n"), frame.get("body")
+        if type(n) is not int or not isinstance(body, str) or "mac" not in frame:
+            raise ChannelError("a message without authentication")
+        if not same(frame["mac"], mac(self.key, self.in_dir, n, body)):
+            raise ChannelError(f"message {n} failed authentication")
+        if n != self.received:
+            raise ChannelError(
+                f"message {n} is out of sequence (expected {self.received}): replayed or reordered"
+            )
+        self.received += 1
+        try:
+            msg = json.loads(body)
+        except (ValueError, RecursionError):
+            msg = None
+        if not isinstance(msg, dict):
+            raise ChannelError(f"message {n} is not a JSON object")
+        return msg
+
+
 # ---- framing ------------------------------------------------------------------------------------
 
 
@@ -90,9 +142,10 @@ class Lines:
     def __init__(self, sock: socket.socket):
         self.sock, self.buf = sock, b""
 
-    def next(self) -> dict | None:
+    def next(self, deadline: float | None = None) -> dict | None:
         """The next message (a JSON object); None at end of stream. ChannelError if a line is too
-        long; a line that is not a JSON object is skipped."""
+        long, or if none is complete by `deadline` (time.monotonic()); a line that is not a JSON
+        object is skipped."""
         skipped = 0
         while True:
             while b"\n" in self.buf:
@@ -108,7 +161,17 @@ class Lines:
                     raise ChannelError(f"more than {MAX_SKIPPED} malformed messages in a row")
             if len(self.buf) > MAX_LINE:
                 raise ChannelError(f"message longer than {MAX_LINE} bytes")
-            data = self.sock.recv(65536)
+            if deadline is not None:  # the whole exchange, however the bytes trickle in
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelError("the handshake did not complete in time")
+                self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                if deadline is None:
+                    raise
+                raise ChannelError("the handshake did not complete in time") from None
             if not data:
                 return None
             self.buf += data
@@ -119,23 +182,32 @@ def send_line(sock: socket.socket, msg: dict) -> None:
 
 
 class Channel:
-    """An authenticated connection; a reader thread queues incoming messages (None: closed)."""
+    """An authenticated connection; a reader thread queues incoming messages (None: closed).
+    Every message is sealed and opened by the `session`: the first one that does not verify
+    closes the channel (`error` says why) and nothing from it is queued."""
 
-    def __init__(self, sock: socket.socket, lines: Lines, waker: Wakeup | None = None):
-        self.sock, self.lines, self.waker = sock, lines, waker
+    def __init__(
+        self, sock: socket.socket, lines: Lines, session: Session, waker: Wakeup | None = None
+    ):
+        self.sock, self.lines, self.session, self.waker = sock, lines, session, waker
         self.inbox: queue.Queue = queue.Queue()
         self.closed = False
+        self.error = ""  # why the channel closed, when the peer broke the protocol
         self._lock = threading.Lock()
         sock.settimeout(None)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         try:
-            while (msg := self.lines.next()) is not None:
-                self.inbox.put(msg)
+            while (frame := self.lines.next()) is not None:
+                self.inbox.put(self.session.open(frame))
                 if self.waker:
                     self.waker.poke()
-        except (OSError, ChannelError):
+        except ChannelError as e:
+            self.error = str(e)
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
         self.closed = True
         self.inbox.put(None)
@@ -143,9 +215,9 @@ class Channel:
             self.waker.poke()
 
     def send(self, msg: dict) -> None:
-        with self._lock:
+        with self._lock:  # one sequence: sealed and sent in order
             try:
-                self.sock.sendall((json.dumps(msg) + "\n").encode())
+                self.sock.sendall((json.dumps(self.session.seal(msg)) + "\n").encode())
             except OSError:
                 self.closed = True
 

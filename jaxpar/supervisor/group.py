@@ -14,7 +14,14 @@ import time
 
 from jaxpar.rundir import runlog
 from jaxpar.supervisor.monitor import EventTail
-from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
+from jaxpar.supervisor.options import (
+    TOKEN_ENV,
+    Options,
+    cannot_write,
+    free_port,
+    join_address,
+    say,
+)
 from jaxpar.supervisor.policy import worker_env
 from jaxpar.supervisor.standby_group import Standby
 from jaxpar.worker import bootstrap
@@ -96,8 +103,11 @@ class LocalGroup:
         self.log_dir = os.path.join(self.opts.run_dir, runlog.LOGS)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
+        # the agents' secret stays with the agents: a worker needs none of it (the peer tier
+        # makes its own group token), and whatever a worker runs would inherit it
+        base = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         return worker_env(
-            dict(os.environ), coordinator=spec["coordinator"], bind=spec["bind"],
+            base, coordinator=spec["coordinator"], bind=spec["bind"],
             nproc=spec["nproc"], process_id=pid, local_rank=local_rank,
             devices_per_proc=self.opts.devices_per_proc, run_dir=self.opts.run_dir,
             incarnation=spec["incarnation"], faults=spec.get("faults", self.opts.faults),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
@@ -46,6 +47,9 @@ class Options:
     straggler_factor: float = 2.0
     faults: list[str] = field(default_factory=list)
     rendezvous_timeout_s: float = 300.0
+    # a control connection must complete the whole handshake within this (not per read): an
+    # unauthenticated connection holds one of the leader's few handshake slots no longer
+    handshake_timeout_s: float = 5.0
     poll_s: float = 0.1
     status_every_s: float = 30.0
 
@@ -90,6 +94,17 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def every_interface(host: str) -> bool:
+    """Whether binding `host` listens on every interface (0.0.0.0, ::, and the short forms
+    such as 0 that the socket calls read as 0.0.0.0)."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    try:
+        return socket.inet_aton(host) == bytes(4)  # "0", "0.0", "0x0", ...
+    except OSError:
+        return False
+
+
 def _check_host(host: str, what: str) -> None:
     try:
         ipaddress.ip_address(host)
@@ -126,6 +141,12 @@ def check_options(o: Options) -> None:
         raise ValueError("--nproc and --devices-per-proc must be >= 1")
     host, port = split_address(o.coordinator)
     _check_host(host, "--coordinator host")
+    if every_interface(host):
+        raise ValueError(
+            f"--coordinator {o.coordinator} names every interface, not an address the other "
+            f"hosts reach: give this host's address (e.g. 10.0.0.1:{port}), and --host 0.0.0.0 "
+            "to listen on every interface"
+        )
     if o.nnodes > 1 and port == 0:
         raise ValueError("--coordinator needs a fixed port with --nnodes > 1 (e.g. HOST:29400)")
     if o.bind_host is not None:
@@ -148,6 +169,13 @@ def check_options(o: Options) -> None:
     _seconds("--backoff-cap", o.backoff_cap_s, positive=False)
     if not (math.isfinite(o.straggler_factor) and o.straggler_factor > 1):
         raise ValueError(f"--straggler-factor {o.straggler_factor} must be a finite number > 1")
+
+
+def announce_binds(o: Options) -> None:
+    """Say it when the leader's sockets listen on every interface (only ever with --host)."""
+    if o.node_rank == 0 and every_interface(o.bind):
+        say(f"--host {o.bind}: the control channel and jax's coordinator listen on every "
+            "interface of this host")  # fmt: skip
 
 
 def say(msg: str) -> None:

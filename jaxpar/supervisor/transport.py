@@ -8,22 +8,24 @@ the control channel"; its security: docs/cluster.md.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import queue
 import secrets
 import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from jaxpar.rundir.runlog import SupervisorEvent
 from jaxpar.supervisor.channel import (
-    HANDSHAKE_S,
     Channel,
     ChannelError,
     Lines,
+    Session,
     mac,
+    printable,
+    same,
     send_line,
     token,
 )
@@ -31,6 +33,7 @@ from jaxpar.supervisor.group import LocalGroup, Wakeup
 from jaxpar.supervisor.options import Options, say
 
 MAX_HANDSHAKES = 32  # connections being admitted at once
+MAX_PER_SOURCE = 4  # of them from one address
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGCONT)  # what a leader may have sent
 
 
@@ -62,6 +65,8 @@ class RemoteNode:
     def poll(self) -> list[tuple[int, int]]:
         for msg in self.chan.messages():
             if msg is None:
+                if self.chan.error and not self.lost:
+                    say(f"node {self.rank}: control channel broken ({self.chan.error})")
                 self.lost = True
                 continue
             try:
@@ -106,62 +111,144 @@ class RemoteNode:
         self.chan.close()
 
 
+class Refusals:
+    """Refused control connections as `control_rejected` events (and console lines): the first
+    `each` of every `interval_s` one by one, the rest as one summary event at the end of the
+    interval with their count, so that a flood fills neither events.jsonl nor the console."""
+
+    def __init__(self, event: Callable, each: int = 10, interval_s: float = 10.0):
+        self.event, self.each, self.interval_s = event, each, interval_s
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+        self.total = 0  # refusals so far
+        self._seen = 0  # refusals in this interval
+        self._reasons: Counter = Counter()  # those not recorded one by one
+        self._sources: Counter = Counter()
+
+    def add(self, peer: str, reason: str, loud: bool = False) -> None:
+        """One refusal; `loud`: also said on the console (when recorded one by one)."""
+        self.flush()
+        with self._lock:
+            self.total += 1
+            self._seen += 1
+            alone = self._seen <= self.each
+            if not alone:
+                self._reasons[reason] += 1
+                self._sources[peer.rpartition(":")[0]] += 1
+        if alone:
+            self.event(SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=reason)
+            if loud:
+                say(f"refused a control connection from {peer}: {printable(reason)}")
+
+    def flush(self, force: bool = False) -> None:
+        """Record the summary of an interval that has ended (`force`: the one under way)."""
+        with self._lock:
+            if not force and time.monotonic() - self._since < self.interval_s:
+                return
+            reasons, sources = self._reasons, self._sources
+            took = time.monotonic() - self._since
+            self._since, self._seen = time.monotonic(), 0
+            self._reasons, self._sources = Counter(), Counter()
+        count = sum(reasons.values())
+        if not count:
+            return
+        ((top, n),) = sources.most_common(1)
+        self.event(SupervisorEvent.CONTROL_REJECTED, peer=f"{len(sources)} address(es), most {top}",
+                   reason=f"{count} more connections refused in {took:.0f}s", count=count,
+                   reasons=dict(reasons.most_common(5)),
+                   sources=dict(sources.most_common(5)))  # fmt: skip
+        say(f"refused {count} more control connections in {took:.0f}s ({n} from {top}; "
+            f"{printable(reasons.most_common(1)[0][0])})")  # fmt: skip
+
+
+class _Pending:
+    """A connection in its handshake: it holds one of the leader's slots."""
+
+    def __init__(self, sock: socket.socket, source: str):
+        self.sock, self.source, self.since, self.evicted = sock, source, time.monotonic(), False
+
+
 class Rendezvous:
     """The leader's listening socket: admits the other agents, each connection in its own thread.
 
-    `event(name, **fields)` records what was refused; `waker` is poked on every message."""
+    At most MAX_HANDSHAKES connections are in their handshake at once, MAX_PER_SOURCE of them
+    from one address; each has `opts.handshake_timeout_s` for the whole handshake, and when the
+    slots are full a new connection takes the oldest one's slot. `event(name, **fields)` records
+    what was refused (rate-limited: `Refusals`); `waker` is poked on every message."""
 
     def __init__(self, opts: Options, key: bytes, event: Callable, waker: Wakeup):
-        self.opts, self.key, self.event, self.waker = opts, key, event, waker
+        self.opts, self.key, self.waker = opts, key, waker
+        self.refusals = Refusals(event)
         self.joined: queue.Queue = queue.Queue()
         self.taken: dict[int, RemoteNode] = {}
         self._lock = threading.Lock()
         self.closed = False
-        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._pending: list[_Pending] = []
         family = socket.AF_INET6 if ":" in opts.bind else socket.AF_INET
         self.server = socket.create_server((opts.bind, opts.control_port), family=family)
         self.server.settimeout(0.5)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        while not self.closed:
-            try:
-                sock, addr = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):  # a flood: no thread per connection
-                self.event(SupervisorEvent.CONTROL_REJECTED, peer=f"{addr[0]}:{addr[1]}",
-                           reason=f"more than {MAX_HANDSHAKES} connections at once")  # fmt: skip
-                with contextlib.suppress(OSError):
-                    sock.close()
-                continue
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
-
-    def _admit(self, sock: socket.socket, addr) -> None:
         try:
-            self._handshake(sock, f"{addr[0]}:{addr[1]}")
+            while not self.closed:
+                self.refusals.flush()
+                try:
+                    sock, addr = self.server.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if (slot := self._take_slot(sock, addr[0])) is None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+                    self.refusals.add(f"{addr[0]}:{addr[1]}",
+                                      f"more than {MAX_PER_SOURCE} handshakes at once from {addr[0]}")  # fmt: skip
+                    continue
+                threading.Thread(target=self._admit, args=(slot, addr), daemon=True).start()
         finally:
-            self._slots.release()
+            self.refusals.flush(force=True)
 
-    def _handshake(self, sock: socket.socket, peer: str) -> None:
-        sock.settimeout(HANDSHAKE_S)
+    def _take_slot(self, sock: socket.socket, source: str) -> _Pending | None:
+        """A handshake slot for a new connection (None: its address holds too many); when all are
+        taken the oldest handshake is cut short, so slow connections cannot keep a real agent out."""
+        with self._lock:
+            if sum(p.source == source for p in self._pending) >= MAX_PER_SOURCE:
+                return None
+            if len(self._pending) >= MAX_HANDSHAKES:
+                oldest = self._pending.pop(0)
+                oldest.evicted = True
+                with contextlib.suppress(OSError):
+                    oldest.sock.shutdown(socket.SHUT_RDWR)
+            slot = _Pending(sock, source)
+            self._pending.append(slot)
+            return slot
+
+    def _admit(self, slot: _Pending, addr) -> None:
+        try:
+            self._handshake(slot, f"{addr[0]}:{addr[1]}")
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._pending.remove(slot)
+
+    def _handshake(self, slot: _Pending, peer: str) -> None:
+        sock = slot.sock
+        deadline = time.monotonic() + self.opts.handshake_timeout_s
         lines = Lines(sock)
         try:
             nonce = secrets.token_hex(16)
+            sock.settimeout(self.opts.handshake_timeout_s)
             send_line(sock, {"challenge": nonce})
-            hello = lines.next()
+            hello = lines.next(deadline)
             if hello is None or "hello" not in hello:
                 raise ChannelError("no hello")
             rank, nproc = _int(hello, "hello"), _int(hello, "nproc")
             theirs = hello.get("nonce")
-            if not isinstance(theirs, str) or not isinstance(hello.get("mac"), str):
+            if not isinstance(theirs, str) or len(theirs) > 64 or "mac" not in hello:
                 raise ChannelError("no proof of the token")
-            if not hmac.compare_digest(
-                hello["mac"].encode(), mac(self.key, "f", nonce, theirs, rank, nproc).encode()
-            ):
-                self._refuse(sock, peer, "authentication failed (the agents' tokens differ)")
+            if not same(hello["mac"], mac(self.key, "f", nonce, theirs, rank, nproc)):
+                self._refuse(sock, peer, "authentication failed (the agents' tokens differ)",
+                             (theirs, nonce))  # fmt: skip
                 return
             with self._lock:
                 if not 0 < rank < self.opts.nnodes:
@@ -173,25 +260,28 @@ class Rendezvous:
                 else:
                     reason = None
                     send_line(sock, {"welcome": mac(self.key, "l", theirs, nonce)})
-                    node = RemoteNode(Channel(sock, lines, self.waker), hello)
+                    session = Session(self.key, nonce, theirs, leader=True)
+                    node = RemoteNode(Channel(sock, lines, session, self.waker), hello)
                     self.taken[rank] = node
             if reason:
-                self._refuse(sock, peer, reason)
+                self._refuse(sock, peer, reason, (theirs, nonce))
                 return
             self.joined.put(node)
             self.waker.poke()
         except (OSError, ChannelError) as e:
-            self.event(
-                SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=str(e) or type(e).__name__
-            )
+            why = str(e) or type(e).__name__
+            if slot.evicted:
+                why = f"handshake cut short: more than {MAX_HANDSHAKES} at once ({why})"
+            self.refusals.add(peer, why)
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.event(SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=reason)
-        say(f"refused a control connection from {peer}: {reason}")
+    def _refuse(self, sock: socket.socket, peer: str, reason: str, nonces: tuple) -> None:
+        """Tell an agent why it is refused, with a MAC it can verify if it has the token (and a
+        stranger's text can be told from ours: it cannot make one)."""
+        self.refusals.add(peer, reason, loud=True)
         with contextlib.suppress(OSError):
-            send_line(sock, {"refused": reason})
+            send_line(sock, {"refused": reason, "mac": mac(self.key, "r", *nonces, reason)})
             sock.close()
 
     def wait(self, stop: Callable[[], bool]) -> list[RemoteNode]:
@@ -217,39 +307,56 @@ class Rendezvous:
 # ---- a follower ---------------------------------------------------------------------------------
 
 
-def _connect(opts: Options, key: bytes, waker: Wakeup) -> Channel | str:
-    """An authenticated channel to the leader, or the reason it refused us. Servers that cannot
-    prove the token are left (and retried until the rendezvous timeout)."""
+def _handshake(opts: Options, key: bytes, waker: Wakeup) -> Channel | tuple[int, str]:
+    """One attempt: an authenticated channel, (2, the leader's reason) when the leader (proven
+    by its MAC) refused us; ChannelError when the server could not prove the token."""
+    sock = socket.create_connection((opts.host, opts.control_port), timeout=5)
+    try:
+        deadline = time.monotonic() + opts.handshake_timeout_s
+        lines = Lines(sock)
+        challenge = lines.next(deadline)
+        theirs = challenge.get("challenge") if challenge else None
+        if not isinstance(theirs, str) or len(theirs) > 64:
+            raise ChannelError("the server sent no challenge")
+        nonce, rank, nproc = secrets.token_hex(16), opts.node_rank, opts.nproc
+        sock.settimeout(opts.handshake_timeout_s)
+        send_line(sock, {"hello": rank, "nproc": nproc, "host": socket.gethostname(),
+                         "nonce": nonce, "mac": mac(key, "f", theirs, nonce, rank, nproc)})  # fmt: skip
+        reply = lines.next(deadline) or {}
+        if "refused" in reply:
+            reason = reply["refused"]
+            if not same(reply.get("mac"), mac(key, "r", nonce, theirs, reason)):
+                raise ChannelError(
+                    "refused by a server that could not prove the token (do the agents' tokens "
+                    f"differ?): {printable(reason)}"
+                )
+            sock.close()
+            return 2, printable(reason)
+        if not same(reply.get("welcome"), mac(key, "l", nonce, theirs)):
+            raise ChannelError("the server could not prove the token")
+        return Channel(sock, lines, Session(key, theirs, nonce, leader=False), waker)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            sock.close()
+        raise
+
+
+def _connect(opts: Options, key: bytes, waker: Wakeup) -> Channel | tuple[int, str]:
+    """An authenticated channel to the leader, or (exit code, why not). Servers that cannot prove
+    the token are left (and retried until the rendezvous timeout); nothing they say is obeyed."""
     deadline = time.time() + opts.rendezvous_timeout_s
+    left_one = ""
     while True:
         try:
-            sock = socket.create_connection((opts.host, opts.control_port), timeout=5)
-            sock.settimeout(HANDSHAKE_S)
-            lines = Lines(sock)
-            challenge = lines.next()
-            if challenge is None or not isinstance(challenge.get("challenge"), str):
-                raise ChannelError("the server sent no challenge")
-            nonce, rank, nproc = secrets.token_hex(16), opts.node_rank, opts.nproc
-            send_line(sock, {"hello": rank, "nproc": nproc, "host": socket.gethostname(),
-                         "nonce": nonce,
-                         "mac": mac(key, "f", challenge["challenge"], nonce, rank, nproc)})  # fmt: skip
-            reply = lines.next()
-            if reply is not None and isinstance(reply.get("refused"), str):
-                sock.close()
-                return reply["refused"][:200]
-            proof = reply.get("welcome") if reply else None
-            if not isinstance(proof, str) or not hmac.compare_digest(
-                proof.encode(), mac(key, "l", nonce, challenge["challenge"]).encode()
-            ):
-                raise ChannelError("the server could not prove the token")
-            return Channel(sock, lines, waker)
+            return _handshake(opts, key, waker)
         except (OSError, ChannelError) as e:
             if isinstance(e, ChannelError):
-                say(f"node {opts.node_rank}: left {opts.coordinator}: {e}")
-                with contextlib.suppress(OSError, UnboundLocalError):
-                    sock.close()
+                if str(e) != left_one:  # said once, not once per attempt
+                    say(f"node {opts.node_rank}: left {opts.coordinator}: {e}")
+                left_one = str(e)
             if time.time() > deadline:
-                return f"no leader at {opts.coordinator} after {opts.rendezvous_timeout_s:.0f}s"
+                why = f"no leader at {opts.coordinator} after {opts.rendezvous_timeout_s:.0f}s"
+                return (2, f"{why}; last: {left_one}") if left_one else (1, why)
             time.sleep(0.5)
 
 
@@ -291,9 +398,9 @@ def run_follower(opts: Options) -> int:
         return 2
     waker = Wakeup()
     chan = _connect(opts, key, waker)
-    if isinstance(chan, str):
-        say(f"node {opts.node_rank}: {chan}")
-        return 2 if "no leader" not in chan else 1
+    if isinstance(chan, tuple):
+        say(f"node {opts.node_rank}: {chan[1]}")
+        return chan[0]
     group = LocalGroup(opts, waker)
     signal.signal(signal.SIGTERM, lambda *_: group.send(signal.SIGTERM))  # preemption notice
     say(f"node {opts.node_rank}: joined the leader at {opts.coordinator}")
@@ -302,12 +409,14 @@ def run_follower(opts: Options) -> int:
         while True:
             for msg in chan.messages():
                 if msg is None:
-                    say(f"node {opts.node_rank}: leader gone; stopping local workers")
+                    why = f"control channel broken ({chan.error})" if chan.error else "leader gone"
+                    say(f"node {opts.node_rank}: {why}; stopping local workers")
                     return 1
                 try:
                     code = _follow(msg, group, chan)
                 except (ChannelError, TypeError, ValueError) as e:
-                    say(f"node {opts.node_rank}: ignored a malformed message from the leader: {e}")
+                    say(f"node {opts.node_rank}: ignored a malformed message from the leader: "
+                        f"{printable(e)}")  # fmt: skip
                     continue
                 if code is not None:
                     return code

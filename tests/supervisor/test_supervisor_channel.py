@@ -16,6 +16,7 @@ import pytest
 
 from jaxpar.supervisor.channel import Lines, mac, send_line  # noqa: E402
 from tests.support.launch_util import Launch, clean_env, fake_cmd  # noqa: E402
+from tests.support.net import accepted  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -91,9 +92,8 @@ def test_leader_refuses_strangers_and_duplicates_and_finishes(tmp_path):
     try:
         assert _attack_hello_abc(port) is None  # dropped: connection closed, no reply
         assert _attack_hello_first(port) is None
-        assert _attack_wrong_token(port) == {
-            "refused": "authentication failed (the agents' tokens differ)"
-        }
+        refused = _attack_wrong_token(port)
+        assert refused["refused"] == "authentication failed (the agents' tokens differ)"
         hold = threading.Event()
         holder = threading.Thread(target=_attack_invalid_json, args=(port, hold))
         holder.start()
@@ -133,13 +133,8 @@ def _fake_leader(port: int, marker: Path, stop: threading.Event, seen: list) -> 
     """Listens where the leader will, and orders whoever connects to run a command: first the
     old way (no handshake), then after a challenge with a made-up welcome."""
     with socket.create_server(("127.0.0.1", port)) as server:
-        server.settimeout(0.2)
         n = 0
-        while not stop.is_set():
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                continue
+        for sock in accepted(server, stop):
             with sock:
                 sock.settimeout(5)
                 order = {"cmd": "start", "spec": {"incarnation": 0, "coordinator": "127.0.0.1:1",

@@ -31,12 +31,18 @@ from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLO
     DATA,
     MARKER,
     SLOTS,
+    Refused,
     Slots,
+    UnsafeFolder,
+    authentic,
+    check_root,
     exchange,
     file_size,
     kv_client,
-    read_bytes,
+    load_bytes,
     read_marker,
+    seal,
+    snapshot_key,
     write_data,
 )
 from jaxpar.rundir.runlog import WorkerEvent
@@ -44,6 +50,8 @@ from jaxpar.rundir.writer import RunDir
 
 AUTO_BYTES = 256 * 2**20  # per process: above this, snapshot every ceil(bytes / AUTO_BYTES)
 ENV_LOCAL_DIR = "JAXPAR_LOCAL_DIR"
+ROOT_FIX = (f"chmod 700 it if it is yours, else set ckpt.local_dir or ${ENV_LOCAL_DIR} to a folder "
+            f"only you can write")  # fmt: skip
 FORMAT = 1
 KV_TIMEOUT_MS = 1000  # one wait on the key-value store; the writer loops until it stops
 
@@ -182,6 +190,7 @@ class LocalTier:
         self.nbytes = sum(b.nbytes for b in self.blocks)
         self.every = plan_every(every, self.nbytes)
         self.node = node_dir(root, run.path)
+        check_root(root, ROOT_FIX)  # UnsafeFolder (a ValueError: one line, exit 2)
         # stale folders of this node go first; the run directory's identity binds every snapshot
         ident, removed = local_tier_clean.prepare(root, self.node, run.path, self.nproc)
         if removed:
@@ -198,6 +207,8 @@ class LocalTier:
         # persistent checkpoint exist: {"skipped": rejected steps, "incomplete": steps some
         # processes hold but not all} (the caller announces the fallback)
         self.fallback: dict | None = None
+        # snapshots this process found but could not offer: [{"step": int | None, "why": str}]
+        self.unusable: list[dict] = []
         self.nodes: list[list[int]] = [[self.process]]  # processes per node, once met
         self._prev: int | None = None  # newest step this incarnation holds committed
         self._restored: int | None = None  # the step restored: complete everywhere already
@@ -305,6 +316,7 @@ class LocalTier:
         marker = {"step": step, "data_position": step, "binding": self.binding,
                   "blocks": entries, "nbytes": offset, "time": time.time(),
                   "incarnation": self.run.incarnation}  # fmt: skip
+        marker["mac"] = seal(marker, chunks, snapshot_key())
         k = self.own.pick(keep=self._prev)
         held = len(self.own.committed()) + 1  # before the overwrite: committed + this one
         self.stats.max_held = max(self.stats.max_held, min(held, SLOTS))
@@ -360,8 +372,8 @@ class LocalTier:
             # after a failure only briefly: the writer stops before its commit marker
             self._thread.join(timeout=5 if failed else 60)
         if self.peers is not None:
-            if complete:
-                self.peers.drop_held()
+            if complete and not failed:  # the job is done: its copies here are of no use
+                self.peers.remove_held()
             self.peers.close()
         if complete:
             shutil.rmtree(self.own.root, ignore_errors=True)
@@ -373,18 +385,32 @@ class LocalTier:
 
     def _own_offer(self) -> dict[int, int]:
         """step -> slot of this process's usable snapshots (binding and sizes checked)."""
-        out = {}
-        for k, marker in self.own.committed().items():
+        out: dict[int, int] = {}
+        self.unusable = []
+        refused = self.own.refused()
+        committed = self.own.committed()
+        for k, marker in committed.items():
             size = file_size(os.path.join(self.own.dirs[k], DATA))
-            why = verify(marker, self.binding, self.blocks, size)
+            why = refused.get(k) or verify(marker, self.binding, self.blocks, size)
             if why is None:
                 out[marker["step"]] = k
             else:
-                self.run.event(WorkerEvent.SNAPSHOT_REJECTED, all_processes=True, step=marker["step"],
-                               tier="local", reason=why)  # fmt: skip
+                self._unusable(marker["step"], why, rejected=True)
+        for k, why in refused.items():
+            if k not in committed:  # its marker is refused: its step is unknown
+                self._unusable(None, why, rejected=True)
         for k in self.own.torn():
-            self.run.event(WorkerEvent.SNAPSHOT_TORN, all_processes=True, slot=k, tier="local")
+            if k not in refused:
+                self.run.event(WorkerEvent.SNAPSHOT_TORN, all_processes=True, slot=k, tier="local")
+                self._unusable(None, "torn (no commit marker: a write that never finished)")
         return out
+
+    def _unusable(self, step: int | None, why: str, rejected: bool = False) -> None:
+        """Record a snapshot found but not offered (`rejected`: with a snapshot_rejected event)."""
+        self.unusable.append({"step": step, "why": why})
+        if rejected:
+            self.run.event(WorkerEvent.SNAPSHOT_REJECTED, all_processes=True, step=step,
+                           tier="local", reason=why)  # fmt: skip
 
     def node_index(self) -> int:
         """This process's node (0 = the node of process 0), once `restore` has met the others."""
@@ -396,7 +422,7 @@ class LocalTier:
         Every process must call it at start-up (it also meets the peers); persistent_newest
         -1 means: do not restore from this tier (a fresh start or an explicit step)."""
         own = self._own_offer()
-        offers, self.nodes, self.peers = peer_tier.Peers.meet(self, own)
+        offers, self.nodes, self.peers = peer_tier.Peers.meet(self, own, self.unusable)
         self.fallback = None
         if persistent_newest is not None and persistent_newest < 0:
             return None
@@ -421,14 +447,20 @@ class LocalTier:
             skipped.append(step)
         incomplete = sorted((s for s in offered(offers, self.nproc) - set(steps) if s >= floor),
                             reverse=True)  # fmt: skip
-        if skipped or incomplete:
+        unusable = unusable_at(offers, floor)
+        if skipped or incomplete or unusable:
             self.fallback = {"skipped": skipped, "incomplete": incomplete}
+            if unusable:
+                self.fallback["unusable"] = unusable
         return None
 
     def _load(self, step: int, own: dict[int, int]) -> tuple[dict | None, str, str]:
         """(state, "local" | "peer", why-not) for `step` on this process."""
         if step in own:
-            data = read_bytes(os.path.join(self.own.dirs[own[step]], DATA))
+            try:
+                data = load_bytes(os.path.join(self.own.dirs[own[step]], DATA))
+            except OSError as e:  # Refused: not this user's file, or writable by others
+                return None, "local", str(e) if isinstance(e, Refused) else "snapshot vanished"
             marker = read_marker(self.own.dirs[own[step]])
             source = "local"
         elif self.peers is not None:
@@ -444,6 +476,12 @@ class LocalTier:
         bad = [] if why else check_crcs(marker, memoryview(data))
         if why or bad:
             return None, source, why or f"CRC mismatch in blocks {bad[:10]}"
+        try:
+            ok = authentic(marker, data, snapshot_key())
+        except (OSError, compile_cache.Untrusted) as e:
+            return None, source, f"MAC not checked: {e}"
+        if not ok:  # edited (CRCs recomputed), planted, or sealed with another user's key
+            return None, source, "MAC mismatch: not written by this user's jaxpar"
         return self._assemble(marker, data), source, ""
 
     def _assemble(self, marker: dict, data: bytearray) -> dict:
@@ -499,3 +537,16 @@ def candidates(offers: list[dict], nproc: int) -> list[int]:
 def offered(offers: list[dict], nproc: int) -> set[int]:
     """Steps of which at least one process's snapshot exists somewhere."""
     return set().union(*_holdings(offers, nproc))
+
+
+def unusable_at(offers: list[dict], floor: int) -> list[dict]:
+    """The snapshots processes found but could not offer that a restore at `floor` or newer
+    passes over: those of a known step >= floor, and those of an unknown step (torn, refused)
+    when no persistent checkpoint is there (floor -1: the run starts from step 0)."""
+    out = []
+    for q, o in enumerate(offers):
+        for u in o.get("unusable", []):
+            step = u.get("step")
+            if (floor < 0 and step is None) or (isinstance(step, int) and step >= floor):
+                out.append({"process": q, **u})
+    return out

@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 
+from jaxpar.recovery import local_tier_store as store
 from jaxpar.rundir import runlog
 
 RUN_ID_FILE = runlog.LOCAL_TIER_ID  # in the run directory
@@ -93,10 +94,10 @@ def _remove(path: str, removed: list[str]) -> None:
 
 
 def claim(node: str, run_path: str, ident: str) -> None:
-    """Create this run's node folder with its owner marker (before any snapshot)."""
-    os.makedirs(node, exist_ok=True)
+    """Create this run's node folder (private) with its owner marker (before any snapshot)."""
+    store.private_dirs(node)
     marker = {"created_by": CREATED_BY, "run_dir": os.path.realpath(run_path), "run_id": ident}
-    runlog.write_json(os.path.join(node, OWNER_FILE), marker)
+    store.write_private_json(os.path.join(node, OWNER_FILE), marker)
 
 
 def prepare(root: str, node: str, run_path: str, nproc: int) -> tuple[str, list[str]]:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from jaxpar.rundir.runlog import WorkerEvent
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 IO_TIMEOUT_S = 120.0
 FETCH_ATTEMPTS = 3  # rounds over the holders of a copy when a connection fails (not a refusal)
+COMPLETE_WAIT_S = 60.0  # a completed job: how long a process waits for the others' writers
 
 
 def _host() -> str:
@@ -172,15 +174,18 @@ class Peers:
         self._failed = False
 
     @classmethod
-    def meet(cls, tier, own: dict[int, int]) -> tuple[list[dict], list[list[int]], Peers | None]:
-        """Exchange offers with every process; returns (offers, the processes of each node,
+    def meet(
+        cls, tier, own: dict[int, int], unusable: list[dict] = ()
+    ) -> tuple[list[dict], list[list[int]], Peers | None]:
+        """Exchange offers with every process (`own`: step -> slot of its usable snapshots;
+        `unusable`: those it found but cannot use); returns (offers, the processes of each node,
         Peers or None on one node)."""
         if tier.nproc == 1:
-            return [{"own": sorted(own), "held": {}}], [[0]], None
+            return [{"own": sorted(own), "held": {}, "unusable": list(unusable)}], [[0]], None
         server = Server(tier.node, tier.nproc, limit=4 * tier.nbytes + (1 << 20))
         node = f"{socket.gethostname()}:{os.path.realpath(tier.node)}"
         mine = {"own": sorted(own), "held": server.held(tier.binding["run"]),
-                "node": node, "addr": server.addr,
+                "unusable": list(unusable), "node": node, "addr": server.addr,
                 "token": secrets.token_hex(16) if tier.process == 0 else None}  # fmt: skip
         offers = snap.exchange("offer", mine)
         server.met(offers[0]["token"])
@@ -270,6 +275,16 @@ class Peers:
         with self.server._lock:
             for src in range(self.tier.nproc):
                 self.server.slots(src).drop_except(keep)
+
+    def remove_held(self) -> None:
+        """The job completed: once every process's writer has stopped (so that no copy is on its
+        way here any more), remove the peer copies this node holds."""
+        self._drop_conn()
+        with contextlib.suppress(Exception):  # a process that never comes: remove them anyway
+            snap.exchange("complete", True, timeout_s=COMPLETE_WAIT_S)
+        with self.server._lock:  # rmtree follows no symlink
+            for src in range(self.tier.nproc):
+                shutil.rmtree(self.server.slots(src).root, ignore_errors=True)
 
     def close(self) -> None:
         self._drop_conn()

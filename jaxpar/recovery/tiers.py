@@ -260,14 +260,20 @@ class LocalSnapshotTier:
     def _announce_fallback(self, source: str, step: int) -> None:
         """Local snapshots were there but none could be used: never a silent step back."""
         run, fallback = self.setup.run, self.fallback
+        unusable = fallback.get("unusable", [])
         run.event(WorkerEvent.LOCAL_FALLBACK, to=source, step=step, skipped=fallback["skipped"],
-                  incomplete=fallback["incomplete"])  # fmt: skip
+                  incomplete=fallback["incomplete"], unusable=unusable)  # fmt: skip
         if run.is_writer:
             why = []
             if fallback["skipped"]:
                 why.append(f"step(s) {fallback['skipped']} rejected (see snapshot_rejected)")
             if fallback["incomplete"]:
                 why.append(f"step(s) {fallback['incomplete']} not held for every process")
+            if unusable:
+                u = unusable[0]
+                at = "" if u.get("step") is None else f" of step {u['step']}"
+                more = f" and {len(unusable) - 1} more" if len(unusable) > 1 else ""
+                why.append(f"process {u.get('process')}'s snapshot{at}: {u.get('why')}{more}")
             to = f"the persistent checkpoint of step {step}" if source == "persistent" else "step 0"
             say(f"warning: no local snapshot usable ({'; '.join(why)}); restarting from {to}")
 

@@ -231,9 +231,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from jaxpar.tools.export import config_path, export
 
-    meta = export(args.run_dir, args.out)
+    meta = export(args.run_dir, args.out, force=args.force)
+    state = f" and {len(meta['state'])} state tensors" if meta["state"] else ""
     print(
-        f"{args.out}: {meta['parameters']:,} parameters of step {meta['step']}; "
+        f"{args.out}: {meta['parameters']:,} parameters{state} of step {meta['step']}; "
         f"config in {config_path(args.out)}"
     )
     return 0
@@ -252,9 +253,10 @@ def _add_model_parsers(sub) -> None:
     sam.add_argument("--seed", type=int, default=0)
     sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
     sam.set_defaults(func=cmd_sample)
-    exp = sub.add_parser("export", help="a run's parameters as safetensors + config JSON")
+    exp = sub.add_parser("export", help="a run's model variables as safetensors + config JSON")
     exp.add_argument("run_dir", metavar="RUN_DIR")
     exp.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors")
+    exp.add_argument("--force", action="store_true", help="overwrite an earlier export")
     exp.set_defaults(func=cmd_export)
 
 

@@ -1,25 +1,35 @@
-"""`jaxpar export RUN_DIR --out FILE`: the trained parameters as one safetensors file.
+"""`jaxpar export RUN_DIR --out FILE`: a trained model's variables as one safetensors file.
 
     jaxpar export runs/a --out gpt.safetensors    # writes gpt.safetensors and gpt.config.json
-    model = load_model("gpt.safetensors")          # back as an nnx.Module (load(): the arrays)
+    model = load_model("gpt.safetensors")          # back as an nnx.Module, in evaluation mode
 
-The tensors' names, the config beside them and loading: docs/data.md, "Export".
+Every variable inference needs is written: the parameters and the non-parameter state (BatchNorm
+statistics, counters); RNG streams are not, a loaded model's are seeded afresh. The file is read
+back as untrusted input: its size is bounded and every tensor's name, dtype and shape checked
+against the model built from the config before anything is assigned. Names, the config beside
+the file, permissions and loading: docs/data.md, "Export".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpar.config import TrainConfig, to_dict
+from jaxpar.engine.model import STATE_KEY
 from jaxpar.rundir.runlog import read_json_object
 from jaxpar.tools import finished_run
 
 FORMAT = "jaxpar-params"
+_SYSTEM_DIRS = ("/proc", "/sys", "/dev")
+_HEADER_BYTES = 8  # a safetensors file: u64 header length, JSON header, then the data
+_HEADER_PER_TENSOR = 512  # bound on a tensor's header entry (its name is a path in the model)
 
 
 def config_path(file: str) -> str:
@@ -29,63 +39,156 @@ def config_path(file: str) -> str:
 
 
 def param_names(params: dict) -> dict[str, Any]:
-    """Flat {dotted path: leaf} of a pure parameter dict."""
+    """Flat {dotted path: leaf} of a pure dict (parameters or non-parameter state)."""
     flat = jax.tree_util.tree_leaves_with_path(params)
     return {".".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
 
 
-def export(run_dir: str, out: str) -> dict:
-    """Write `out` (safetensors) and its config JSON; returns the config dict written."""
-    from safetensors.numpy import save_file
-
+def check_out(out: str, force: bool = False) -> None:
+    """Refuse an --out that cannot be written, or that would overwrite an earlier export without
+    `force` (ValueError naming the fix); nothing is read or written."""
     if not out.endswith(".safetensors"):
         raise ValueError(f"--out {out}: name the file NAME.safetensors")
-    cfg, params, step = finished_run.load_run(run_dir)
-    tensors = {
-        k: np.ascontiguousarray(v) for k, v in param_names(finished_run.to_numpy(params)).items()
-    }
-    model = to_dict(cfg)["model"]
+    real = os.path.realpath(out)
+    for system in _SYSTEM_DIRS:
+        if real == system or real.startswith(system + os.sep):
+            raise ValueError(
+                f"--out {out} is under {system}, a kernel filesystem; write to a normal disk, "
+                "e.g. --out exports/NAME.safetensors"
+            )
+    probe = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"--out {out}: {probe} is a file, not a folder; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {probe} is not writable; choose another folder")
+    for path in (out, config_path(out)):
+        if os.path.isdir(path):
+            raise ValueError(f"--out {out}: {path} is a folder; choose another name")
+        if os.path.lexists(path) and not force:
+            raise ValueError(f"--out {out}: {path} exists; pass --force to overwrite it")
+
+
+def export(run_dir: str, out: str, force: bool = False) -> dict:
+    """Write `out` (safetensors) and its config JSON; returns the config dict written. Both files
+    are created like any output file (mode 0666 less the umask) and appear together."""
+    check_out(out, force)
+    cfg, variables, step = finished_run.load_variables(run_dir)
+    params = _flat(variables["params"])
+    state = _flat(variables.get(STATE_KEY, {}))
     meta = {
-        "format": FORMAT, "model": model, "step": step,
-        "parameters": int(sum(v.size for v in tensors.values())), "run_dir": os.path.abspath(run_dir),
+        "format": FORMAT, "model": to_dict(cfg)["model"], "step": step,
+        "parameters": int(sum(v.size for v in params.values())), "state": sorted(state),
+        "run_dir": os.path.abspath(run_dir),
     }  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    save_file(tensors, out, metadata={"format": FORMAT, "step": str(step)})
-    with open(config_path(out), "w") as f:
-        json.dump(meta, f, indent=2)
+    _write(out, {**params, **state}, meta)
     return meta
 
 
-def load(file: str) -> tuple[TrainConfig, dict]:
-    """(a TrainConfig holding the model config, pure parameter dict of numpy arrays) of an
-    exported file; every parameter the model needs must be there with its shape and dtype."""
-    from safetensors.numpy import load_file
+def _flat(tree: dict) -> dict[str, np.ndarray]:
+    return {
+        k: np.asarray(v, order="C") for k, v in param_names(finished_run.to_numpy(tree)).items()
+    }
 
+
+def _write(out: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
+    """Both files under temporary names, then renamed into place; the tensors take the mode the
+    config was created with (safetensors itself would create its file 0600)."""
+    from safetensors.numpy import save_file
+
+    cpath = config_path(out)
+    tmp_t, tmp_c = f"{out}.tmp.{os.getpid()}", f"{cpath}.tmp.{os.getpid()}"
+    try:
+        with open(os.open(tmp_c, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+        save_file(tensors, tmp_t, metadata={"format": FORMAT, "step": str(meta["step"])})
+        os.chmod(tmp_t, stat.S_IMODE(os.stat(tmp_c).st_mode))
+        os.replace(tmp_t, out)
+        os.replace(tmp_c, cpath)
+    except BaseException:
+        for tmp in (tmp_t, tmp_c):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
+
+
+def load(file: str) -> tuple[TrainConfig, dict, dict]:
+    """(a TrainConfig holding the model config, pure dict of the parameters, pure dict of the
+    non-parameter state ({} if the model has none)) of an exported file, as numpy arrays. Every
+    variable the model needs must be there with its shape and dtype, and nothing else."""
     cpath = config_path(file)
     meta = read_json_object(cpath, "jaxpar export config", f"; export writes it beside {file}")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{cpath}: not a jaxpar export config")
     cfg = TrainConfig(model=finished_run.model_config(meta.get("model"), f"{cpath} model"))
-    tensors = load_file(file)
-    abstract = finished_run.abstract_params(cfg)
-    want = param_names(abstract)
-    missing = sorted(set(want) - set(tensors))
-    extra = sorted(set(tensors) - set(want))
-    if missing or extra:
-        raise ValueError(f"{file}: tensors do not match the model (missing {missing[:5]}, extra "
-                         f"{extra[:5]})")  # fmt: skip
-    for name, spec in want.items():
-        got = tensors[name]
-        if got.shape != spec.shape or got.dtype != spec.dtype:
-            raise ValueError(
-                f"{file}: {name} is {got.dtype}{list(got.shape)}, the model needs "
-                f"{spec.dtype}{list(spec.shape)}"
-            )
-    leaves = [tensors[name] for name in want]
-    return cfg, jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+    abstract = finished_run.abstract_variables(cfg)
+    want = {k: v for tree in abstract.values() for k, v in param_names(tree).items()}
+    tensors = _read_checked(file, want)
+    out = {
+        key: jax.tree.unflatten(jax.tree.structure(tree), [tensors[k] for k in param_names(tree)])
+        for key, tree in abstract.items()
+    }
+    return cfg, out["params"], out.get(STATE_KEY, {})
+
+
+def _read_checked(file: str, want: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The tensors of `file`, after checking its size, names, dtypes and shapes against `want`
+    ({name: ShapeDtypeStruct}) and before reading any data."""
+    from safetensors import SafetensorError, safe_open
+
+    data = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in want.values())
+    limit = data + _HEADER_BYTES + 4096 + _HEADER_PER_TENSOR * len(want)
+    try:
+        size = os.path.getsize(file)
+    except OSError as e:
+        raise ValueError(f"{file}: {e.strerror}; give an exported NAME.safetensors") from None
+    if size > limit:
+        raise ValueError(
+            f"{file}: {size:,} bytes, more than the model's {data:,} bytes of tensors can take; "
+            "was it exported from this config?"
+        )
+    try:
+        with safe_open(file, framework="numpy") as f:
+            names = set(f.keys())
+            missing, extra = sorted(set(want) - names), sorted(names - set(want))
+            if missing or extra:
+                raise ValueError(
+                    f"{file}: tensors do not match the model (missing {missing[:5]}, extra "
+                    f"{extra[:5]}); export the run again"
+                )
+            for name, spec in want.items():
+                sl = f.get_slice(name)
+                got = (_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
+                need = (str(np.dtype(spec.dtype)), list(spec.shape))
+                if got != need:
+                    raise ValueError(
+                        f"{file}: {name} is {got[0]}{got[1]}, the model needs {need[0]}{need[1]}"
+                    )
+            return {name: f.get_tensor(name) for name in want}
+    except SafetensorError as e:
+        raise ValueError(
+            f"{file}: not a readable safetensors file ({e}); export it again"
+        ) from None
+
+
+# safetensors' dtype names -> numpy's
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+    "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
 
 
 def load_model(file: str):
-    """An nnx model holding an exported file's parameters (see the module docstring)."""
-    cfg, params = load(file)
-    return finished_run.build_model(cfg, params)
+    """The nnx model of an exported file, holding its parameters and non-parameter state, in
+    evaluation mode (`model.eval()`: dropout off, BatchNorm on its running statistics). Its RNG
+    streams, if any, are keyed from a fixed key; `model.train()` to train it further."""
+    import jax.numpy as jnp
+
+    cfg, params, state = load(file)
+    params, state = jax.tree.map(jnp.asarray, (params, state))
+    model = finished_run.build_model(cfg, params, state or None)
+    model.eval()
+    return model

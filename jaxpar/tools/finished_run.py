@@ -4,6 +4,8 @@ untrusted input (docs/design.md, "Run directory").
 
     cfg, params, step = load_run("runs/a")       # TrainConfig, pure dict of arrays, step
     model = build_model(cfg, params)              # an nnx.Module holding them
+    cfg, variables, step = load_variables("runs/a")  # {"params", "model_state"}: all of a model
+    model = build_model(cfg, variables["params"], variables.get("model_state"))
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import config as config_lib
+from jaxpar.engine import model as model_lib
 from jaxpar.engine.mesh import make_mesh
-from jaxpar.parallel.program import abstract_model
+from jaxpar.engine.model import STATE_KEY
 from jaxpar.recovery.checkpoint import CHECKSUMS_FILE, checksums
 from jaxpar.rundir.runlog import read_json_object
 from jaxpar.usercode import search_current_directory
@@ -85,15 +88,30 @@ def load_config(run_dir: str) -> config_lib.TrainConfig:
 
 def abstract_params(cfg: config_lib.TrainConfig) -> dict:
     """Pure dict of ShapeDtypeStructs of the model's parameters (nothing allocated)."""
-    return nnx.to_pure_dict(abstract_model(cfg)[1])
+    return abstract_variables(cfg)["params"]
 
 
-def build_model(cfg: config_lib.TrainConfig, params: dict) -> nnx.Module:
-    """The model of `cfg` holding `params` (a pure dict shaped like abstract_params)."""
-    graphdef, template = abstract_model(cfg)
-    state = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+def abstract_variables(cfg: config_lib.TrainConfig) -> dict:
+    """Pure dicts of ShapeDtypeStructs of every variable a trained model holds: `params`, and
+    `model_state` (BatchNorm statistics, counters) when it has non-parameter state. RNG streams
+    are not among them: a rebuilt model's streams are seeded afresh (build_model)."""
+    mdef = model_lib.abstract(cfg.model, cfg.train.seed)
+    out = {"params": nnx.to_pure_dict(mdef.params)}
+    if mdef.has_state:
+        out[STATE_KEY] = nnx.to_pure_dict(mdef.state)
+    return out
+
+
+def build_model(cfg: config_lib.TrainConfig, params: dict, state: dict | None = None) -> nnx.Module:
+    """The model of `cfg` holding `params` and its non-parameter `state` (pure dicts shaped like
+    abstract_variables); its RNG streams, if any, keyed from a fixed key."""
+    mdef = model_lib.abstract(cfg.model, cfg.train.seed)
+    if mdef.has_state and state is None:
+        raise ValueError(
+            f"the model holds non-parameter state ({', '.join(mdef.state_paths()[:3])}); "
+            "load it with the parameters (load_variables)"
+        )
+    return model_lib.rebuild(mdef, params, state if mdef.has_state else None, None)
 
 
 def committed_steps(run_dir: str) -> list[int]:
@@ -104,11 +122,10 @@ def committed_steps(run_dir: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
-def _restore_step(run_dir: str, step: int, target: dict) -> dict:
+def _restore_step(run_dir: str, step: int, item: dict) -> dict:
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.path.join(run_dir, "checkpoints", str(step)))
-    item = {"params": target}
     args = ocp.args.PyTreeRestore(
         item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
@@ -119,26 +136,38 @@ def _restore_step(run_dir: str, step: int, target: dict) -> dict:
     bad = sorted(k for k, v in sums.items() if saved.get(k) != v)
     if bad:
         raise ValueError(f"checksum mismatch in {bad[:5]}")
-    return state["params"]
+    return state
 
 
 def load_run(run_dir: str, device: jax.Device | None = None) -> tuple[Any, dict, int]:
     """(TrainConfig, parameters on `device` (default the first), step) of the newest good
     checkpoint in `run_dir`. The run directory is only read."""
     cfg = load_config(run_dir)
+    variables, step = _load_newest(run_dir, {"params": abstract_params(cfg)}, device)
+    return cfg, variables["params"], step
+
+
+def load_variables(run_dir: str, device: jax.Device | None = None) -> tuple[Any, dict, int]:
+    """Like load_run, with every variable of the model (abstract_variables: the parameters and
+    the non-parameter state), never the optimizer state."""
+    cfg = load_config(run_dir)
+    variables, step = _load_newest(run_dir, abstract_variables(cfg), device)
+    return cfg, variables, step
+
+
+def _load_newest(run_dir: str, abstract: dict, device: jax.Device | None) -> tuple[dict, int]:
     steps = committed_steps(run_dir)
     if not steps:
         raise ValueError(f"{run_dir}: no committed checkpoint; train it first (ckpt.every > 0)")
     mesh = make_mesh("data=1", [device or jax.devices()[0]])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     target = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        abstract_params(cfg),
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract
     )
     errors = []
     for step in reversed(steps):
         try:
-            return cfg, _restore_step(run_dir, step, target), step
+            return _restore_step(run_dir, step, target), step
         except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to an older one
             errors.append(f"step {step}: {e!r}"[:300])
             print(f"jaxpar: checkpoint {step} unusable, trying an older one", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""`jaxpar inspect`: shardings of every parameter and the compiled step's collectives, no allocation.
+"""`jaxpar inspect`: shardings of every parameter and of the non-parameter state (BatchNorm
+statistics), and the compiled step's collectives; nothing is allocated.
 
 jaxpar inspect --recipe gpt_tiny --mesh dp2_tp4
 """
@@ -8,10 +9,12 @@ from __future__ import annotations
 import math
 
 import jax
+from flax import nnx
 
 from jaxpar import contract
 from jaxpar.config import TrainConfig
 from jaxpar.engine import collectives
+from jaxpar.engine.model import STATE_KEY
 from jaxpar.engine.rules import Preset
 from jaxpar.parallel import pipeline
 from jaxpar.worker.training import compile_step, setup
@@ -30,26 +33,47 @@ def _human(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def _row(path, leaf, **extra) -> dict:
+    return {
+        "path": jax.tree_util.keystr(path), **extra,
+        "spec": leaf.sharding.spec,
+        "shape": tuple(leaf.shape),
+        "bytes_global": math.prod(leaf.shape) * leaf.dtype.itemsize,
+        "bytes_per_device": _bytes_per_device(leaf.shape, leaf.dtype, leaf.sharding),
+    }  # fmt: skip
+
+
 def param_table(session) -> tuple[list[dict], int, int]:
     """Rows of (path, logical, spec, shape, bytes per device); totals for params and state."""
     prog = session.program
-    rows = []
     flat_abs = jax.tree_util.tree_leaves_with_path(prog.abstract_state["params"])
     logical = dict(jax.tree_util.tree_leaves_with_path(prog.param_logical, is_leaf=_is_names))
-    for path, leaf in flat_abs:
-        rows.append({
-            "path": jax.tree_util.keystr(path),
-            "logical": logical.get(path),
-            "spec": leaf.sharding.spec,
-            "shape": tuple(leaf.shape),
-            "bytes_global": math.prod(leaf.shape) * leaf.dtype.itemsize,
-            "bytes_per_device": _bytes_per_device(leaf.shape, leaf.dtype, leaf.sharding),
-        })  # fmt: skip
+    rows = [_row(path, leaf, logical=logical.get(path)) for path, leaf in flat_abs]
     state_dev = sum(
         _bytes_per_device(x.shape, x.dtype, x.sharding)
         for x in jax.tree.leaves(prog.abstract_state)
     )
     return rows, sum(r["bytes_per_device"] for r in rows), state_dev
+
+
+def state_table(session) -> list[dict]:
+    """Rows of (path, variable type, spec, shape, bytes per device) of the model's non-parameter
+    state (BatchNorm statistics, counters: the train state's `model_state`)."""
+    prog = session.program
+    abstract = prog.abstract_state.get(STATE_KEY, {})
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    kinds = dict(jax.tree_util.tree_leaves_with_path(prog.model.state, is_leaf=is_var))
+    return [
+        _row(path, leaf, kind=type(kinds.get(path)).__name__)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)
+    ]
+
+
+def _table_line(r: dict, second: object) -> str:
+    return (
+        f"| {r['path']} | {second} | {tuple(r['spec'])} | {r['shape']} | "
+        f"{_human(r['bytes_per_device'])} |"
+    )
 
 
 def _is_names(x) -> bool:
@@ -95,16 +119,24 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
         "| parameter | logical axes | PartitionSpec | global shape | bytes/device |",
         "|---|---|---|---|---|",
     ]
-    for r in rows:
-        out.append(
-            f"| {r['path']} | {r['logical']} | {tuple(r['spec'])} | {r['shape']} | "
-            f"{_human(r['bytes_per_device'])} |"
-        )
+    out += [_table_line(r, r["logical"]) for r in rows]
+    state_rows = state_table(s)
+    if state_rows:
+        out += ["", "| non-parameter state | variable | PartitionSpec | global shape | bytes/device |",
+                "|---|---|---|---|---|", *(_table_line(r, r["kind"]) for r in state_rows)]  # fmt: skip
     out += [
         "",
         f"parameters: {total:,} bytes global ({_human(total)}); per device {_human(params_dev)} "
         f"({params_dev / total:.1%} of all)",
-        f"training state (params + optimizer) per device: {_human(state_dev)}",
+        *(
+            [
+                f"non-parameter state: {sum(r['bytes_global'] for r in state_rows):,} bytes global, "
+                f"{len(state_rows)} arrays"
+            ]
+            if state_rows
+            else []
+        ),
+        f"training state (params + optimizer + model state) per device: {_human(state_dev)}",
     ]
     if audit:
         compiled, seconds = compile_step(s)

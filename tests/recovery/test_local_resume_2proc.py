@@ -1,8 +1,9 @@
 """The local snapshot tier under `jaxpar launch`, 2 processes x 2 CPU devices (smaller gpt_tiny):
 a worker SIGKILLed mid-run is restarted from the newest snapshot every process holds, and two
 "nodes" (two agents on this machine, each with its own local tier directory) survive the loss of
-one whole node — agent, workers and RAM — from the peer copy on the other node. Losses must equal
-an uninterrupted run of the same layout exactly.
+one whole node — agent, workers and RAM — from the peer copy on the other node, and leave nothing
+in either node's RAM once the job completes. Losses must equal an uninterrupted run of the same
+layout exactly.
 
     python -m pytest tests/recovery/test_local_resume_2proc.py -m slow
 """
@@ -122,6 +123,9 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     # host died is rejected (with an event) and the one before it is used
     assert 1 <= restore["step"] <= 6
     assert_exact(run_dir, reference)
+    # the completed job leaves nothing in either node's RAM: snapshots, peer copies, folders
+    left = [os.path.join(d, f) for root in roots for d, _, files in os.walk(root) for f in files]
+    assert left == [], left
 
 
 def test_worker_killed_standby_group_takes_over(reference, tmp_path):

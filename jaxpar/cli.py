@@ -134,6 +134,8 @@ def add_train_arguments(
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a recipe: the same run as `python -m train`, with the worker exit codes."""
     from jaxpar.api import run_worker
+    from jaxpar.rundir.ownership import private_umask
+
 
     def train() -> None:
         from jaxpar import api
@@ -156,7 +158,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"in {summary['wall_s']:.1f}s"
             )
 
-    return run_worker(train)
+    with private_umask():  # the run directory and everything in it: this user's only
+        return run_worker(train)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -193,12 +196,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from jaxpar.rundir.ownership import check_path
+    from jaxpar.rundir.runlog import skipped_lines
     from jaxpar.tools.report import write_report
 
     if not os.path.isdir(args.run_dir):
         raise ValueError(f"{args.run_dir} is not a directory; give a run directory")
     check_path(args.out or os.path.join(args.run_dir, "report"), option="--out")
     print(write_report(args.run_dir, args.out))
+    for name, count in skipped_lines(args.run_dir).items():
+        print(
+            f"jaxpar report: skipped {count} line(s) of {name} that are not well-formed records "
+            f"(torn, hand-edited, or a non-finite number)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -318,13 +328,37 @@ def launch_options(args: argparse.Namespace):
         standby=args.standby,
     )  # fmt: skip
     check_options(opts)
+    _check_fault_targets(opts.faults, opts.nproc * opts.nnodes, opts.nnodes)
+    if opts.token_file:
+        from jaxpar.rundir.ownership import check_secret_file
+
+        check_secret_file(opts.token_file, "--token-file")
     return opts
+
+
+def _check_fault_targets(specs: list[str], nproc: int, nnodes: int) -> None:
+    """Refuse a --fault naming a process or node the job does not have: it would never fire.
+    (The rest of a spec is checked by the workers, which parse it with jaxpar.worker.faults.)"""
+    for spec in specs:
+        for opt in spec.strip().split(":")[1:]:
+            key, _, val = opt.partition("=")
+            limit, what = {"process": (nproc, "process(es)"), "node": (nnodes, "node(s)")}.get(
+                key, (None, "")
+            )
+            if limit is not None and val.isdigit() and int(val) >= limit:
+                raise ValueError(
+                    f"--fault {spec}: {key}={val} but the job has {limit} {what} "
+                    f"(0..{limit - 1}); name one of them"
+                )
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from jaxpar import supervisor
+    from jaxpar.rundir.ownership import private_umask
 
-    return supervisor.main(launch_options(args))
+    opts = launch_options(args)
+    with private_umask():  # the run directory, its logs, what the workers write: this user's only
+        return supervisor.main(opts)
 
 
 def _add_launch_parser(sub) -> None:
@@ -333,7 +367,8 @@ def _add_launch_parser(sub) -> None:
         help="run COMMAND as N supervised worker processes; restart, shrink, account",
         usage="jaxpar launch --nproc N [options] -- COMMAND...",
     )
-    la.add_argument("--nproc", type=int, required=True, help="worker processes on this host")
+    la.add_argument("--nproc", type=_int_at_least(1), required=True,
+                    help="worker processes on this host, >= 1")  # fmt: skip
     la.add_argument(
         "--devices-per-proc",
         type=int,
@@ -429,7 +464,8 @@ def _add_launch_parser(sub) -> None:
         "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host, devices "
         "that can be shared (CPU); default off: see docs/cluster.md",
     )
-    la.add_argument("--nnodes", type=int, default=1, help="hosts, one agent each")
+    la.add_argument("--nnodes", type=_int_at_least(1), default=1,
+                    help="hosts, one agent each, >= 1")  # fmt: skip
     la.add_argument("--node-rank", type=int, default=0, help="this agent's host index")
     la.add_argument(
         "--coordinator",

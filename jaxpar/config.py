@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -261,13 +262,31 @@ def _convert_tuple(text: str, typ: Any, key: str) -> tuple:
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Apply `key.sub=value` overrides, converting each value to the field's declared type."""
+    """Apply `key.sub=value` overrides, converting each value to the field's declared type.
+
+    The window length is one number with two names: setting one of data.seq_len and a language
+    model's model.seq_len sets the other too."""
+    keys = set()
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set optim.lr=3e-4")
         cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
-    return cfg
+        keys.add(key.strip())
+    return _same_seq_len(cfg, keys)
+
+
+def _same_seq_len(cfg: Any, keys: set[str]) -> Any:
+    pair = {"data.seq_len", "model.seq_len"}
+    if len(keys & pair) != 1 or not isinstance(cfg, TrainConfig):
+        return cfg
+    if not isinstance(getattr(cfg.model, "seq_len", None), int):
+        return cfg
+    if "data.seq_len" in keys:
+        return dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, seq_len=cfg.data.seq_len)
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.model.seq_len))
 
 
 def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = "") -> Any:
@@ -341,15 +360,21 @@ class Range:
         return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
 
     def describe(self) -> str:
-        lo = None if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        hi = None if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        lo = None if self.lo is None else f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        hi = None if self.hi is None else f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
         if lo and hi:
-            return f"{self.lo:g} {'<' if self.lo_open else '<='} x {hi}"
+            return f"{_num(self.lo)} {'<' if self.lo_open else '<='} x {hi}"
         return lo or hi or "a finite number"
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
 POSITIVE, NON_NEGATIVE = Range(0, lo_open=True), Range(0)
 AT_LEAST_1 = Range(1)
+MAX_STEPS = 2**31 - 1  # step numbers are int32 on the device
+STEPS = Range(1, MAX_STEPS)
 FRACTION_OPEN = Range(0, 1, hi_open=True)  # [0, 1)
 
 # section.key -> Range, or a tuple of allowed strings. Keys not listed: floats must be finite.
@@ -368,7 +393,7 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
     "optim.b2": FRACTION_OPEN,
     "optim.clip_norm": NON_NEGATIVE,
     "optim.momentum": FRACTION_OPEN,
-    "train.steps": AT_LEAST_1,
+    "train.steps": STEPS,
     "train.microbatches": AT_LEAST_1,
     "train.seed": NON_NEGATIVE,
     "train.eval_every": NON_NEGATIVE,
@@ -417,6 +442,41 @@ def _check(key: str, value: Any, rule: Range | tuple[str, ...] | None) -> None:
         )
 
 
+# Kernel filesystems: no folder of a run can live there (/dev/shm, a RAM disk, can).
+_KERNEL_DIRS = ("/proc", "/sys", "/dev")
+_RAM_DIR = "/dev/shm"
+
+
+def _check_dir(key: str, path: str) -> None:
+    """A folder setting ("" = its default) must name a folder that can be one: not under /proc,
+    /sys or /dev (but /dev/shm), not a file, nor below one. Checked before a run writes
+    anything; nothing is created."""
+    if not path:
+        return
+    real = os.path.realpath(path)
+    within = [d for d in (*_KERNEL_DIRS, _RAM_DIR) if real == d or real.startswith(d + os.sep)]
+    if within and within[-1] != _RAM_DIR:
+        raise ValueError(
+            f"{key}={path} is under {within[0]}, a kernel filesystem; use a folder on a disk or "
+            f"in {_RAM_DIR} (--set {key}=DIR, or leave it empty for the default)"
+        )
+    probe = real
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{key}={path}: {probe} is a file, not a folder; give a folder path")
+
+
+def _check_seq_len(cfg: TrainConfig) -> None:
+    """A language model trains on windows of its own `seq_len`: data.seq_len must agree."""
+    model_len = getattr(cfg.model, "seq_len", None)
+    if isinstance(model_len, int) and model_len != cfg.data.seq_len:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} but model.seq_len={model_len}: the model's context "
+            f"is the window length; set one of them (--set data.seq_len=N sets both)"
+        )
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value of `cfg` against its allowed range (ValueError naming the key and the
     range); returns `cfg`. Called before a run writes anything."""
@@ -449,6 +509,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ValueError(
                 f'rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. [["mlp", "tensor"]]'
             )
+    for key, path in (("ckpt.local_dir", cfg.ckpt.local_dir),
+                      ("run.compile_cache_dir", cfg.run.compile_cache_dir)):  # fmt: skip
+        _check_dir(key, path)
+    _check_seq_len(cfg)
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")

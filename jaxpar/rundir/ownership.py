@@ -27,6 +27,9 @@ from jaxpar.rundir import runlog
 LOCK_FILE = runlog.LOCK
 ENV_RUN_LOCK = "JAXPAR_RUN_LOCK"  # the token of the lock a supervisor holds for its workers
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
+RUN_DIR_MODE = 0o700  # a run directory jaxpar creates is its owner's alone
+PRIVATE_UMASK = 0o077  # files a jaxpar command creates: no access for group or others
+MAX_SECRET_BYTES = 4096
 
 
 class RunDirLocked(ValueError):
@@ -40,13 +43,12 @@ def check_path(run_dir: str, option: str = "--run-dir") -> str:
     """Refuse an output directory that cannot be one (ValueError naming `option` and the fix);
     nothing is created. Returns the absolute path."""
     path = os.path.abspath(run_dir)
-    real = os.path.realpath(path)
-    for system in _SYSTEM_DIRS:
-        if real == system or real.startswith(system + os.sep):
-            raise ValueError(
-                f"{option} {run_dir} is under {system}, a kernel filesystem; use a directory on "
-                f"a normal disk, e.g. {option} runs/NAME"
-            )
+    system = under_system_dir(path)
+    if system is not None:
+        raise ValueError(
+            f"{option} {run_dir} is under {system}, a kernel filesystem; use a directory on "
+            f"a normal disk, e.g. {option} runs/NAME"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{option} {run_dir} is a file, not a directory; give a directory path")
     probe = path
@@ -60,6 +62,64 @@ def check_path(run_dir: str, option: str = "--run-dir") -> str:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {run_dir}: {probe} is not writable; choose another directory")
     return path
+
+
+def under_system_dir(path: str) -> str | None:
+    """The kernel filesystem (/proc, /sys, /dev) `path` resolves into, else None."""
+    real = os.path.realpath(path)
+    for system in _SYSTEM_DIRS:
+        if real == system or real.startswith(system + os.sep):
+            return system
+    return None
+
+
+@contextlib.contextmanager
+def private_umask():
+    """While it lasts, this process (and what it starts) creates files for its user only:
+    `jaxpar train` and `jaxpar launch` run under it. The umask only tightens, and is restored."""
+    old = os.umask(PRIVATE_UMASK)
+    os.umask(old | PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def make_run_dir(path: str) -> None:
+    """Create the run directory (mode 0700, parents as usual); an existing one is left as it is."""
+    os.makedirs(path, mode=RUN_DIR_MODE, exist_ok=True)
+
+
+def check_secret_file(path: str, option: str) -> None:
+    """Refuse a file that cannot hold a secret (ValueError naming `option` and the fix): it must
+    be a regular file outside /proc, /sys and /dev, owned by this user with no access for group
+    or others, at most MAX_SECRET_BYTES, holding one line of 16 or more printable characters."""
+    system = under_system_dir(path)
+    if system is not None:
+        raise ValueError(f"{option} {path} is under {system}; write the secret to a file of yours")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(
+                f"{option} {path} is not a regular file; give a file holding the secret"
+            )
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(
+                f"{option} {path} must belong to you and be readable only by you: chmod 600 {path}"
+            )
+        blob = os.read(fd, MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    text = blob.strip()
+    if len(blob) > MAX_SECRET_BYTES or len(text) < 16 or not all(33 <= b < 127 for b in text):
+        raise ValueError(
+            f"{option} {path} must hold one line of 16 to {MAX_SECRET_BYTES} printable ASCII "
+            f"characters without spaces, e.g. the output of: openssl rand -hex 32"
+        )
 
 
 def inside(run_dir: str, path: str) -> bool:
@@ -151,10 +211,15 @@ def acquire(run_dir: str, owner: str) -> RunDirLock:
     """Take the run directory's lock (creating the directory); RunDirLocked if a live process
     holds it. A lock file whose holder is dead is taken over (see `RunDirLock.took_over`)."""
     run_dir = os.path.abspath(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        make_run_dir(run_dir)
+    except OSError as e:
+        raise ValueError(
+            f"cannot create the run directory {run_dir}: {e.strerror}; use another --run-dir"
+        ) from None
     path = os.path.join(run_dir, LOCK_FILE)
     for _ in range(100):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = _open_lock(run_dir, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -180,6 +245,35 @@ def acquire(run_dir: str, owner: str) -> RunDirLock:
         os.pwrite(fd, data, 0)
         return RunDirLock(run_dir, token, fd, took_over=previous or None)
     raise RunDirLocked(f"run directory {run_dir}: could not take its lock (it kept changing)")
+
+
+def _open_lock(run_dir: str, path: str) -> int:
+    """The lock file's descriptor; a lock file that is a symlink, or that this user cannot open
+    (another user's), is refused with one line (RunDirLocked) instead of being used."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if os.path.islink(path):
+            why = "is a symlink (jaxpar never makes one); remove it"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            owner = _owner_of(path)
+            why = f"belongs to {owner} and you cannot open it; use a run directory of your own"
+        else:
+            why = f"cannot be opened ({e.strerror}); remove it"
+        raise RunDirLocked(f"run directory {run_dir}: its lock file {path} {why}") from None
+
+
+def _owner_of(path: str) -> str:
+    try:
+        uid = os.stat(path, follow_symlinks=False).st_uid
+    except OSError:
+        return "another user"
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def acquire_or_inherit(run_dir: str, owner: str) -> RunDirLock:

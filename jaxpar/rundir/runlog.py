@@ -193,11 +193,29 @@ def read_json_object(path: str, what: str = "JSON object", hint: str = "") -> di
     return obj
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: jaxpar writes strict JSON, so the line is damaged
+        raise ValueError(f"non-finite number {text}")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads, refusing what jaxpar never writes: NaN, Infinity and numbers that overflow a
+    float (ValueError)."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+
+
 def read_jsonl_counted(path: str) -> tuple[list[dict], int]:
     """(records, unreadable line count) of a JSONL file; ([], 0) if absent.
 
-    A line that is not a JSON object (torn by a crash, binary garbage, bad UTF-8) is skipped and
-    counted, never fatal: the file is an append-only log shared by many writers."""
+    A line that is not a JSON object (torn by a crash, binary garbage, bad UTF-8, a non-finite
+    number) is skipped and counted, never fatal: the file is an append-only log shared by many
+    writers."""
     try:
         with open(path, "rb") as f:
             blob = f.read()
@@ -208,8 +226,8 @@ def read_jsonl_counted(path: str) -> tuple[list[dict], int]:
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            record = loads_strict(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, 1e999
             bad += 1
             continue
         if isinstance(record, dict):
@@ -244,13 +262,32 @@ def well_formed(records: list[dict], required: tuple[str, ...] = ()) -> list[dic
                 if key in required:
                     return False
                 continue
-            if isinstance(v, bool) or not isinstance(v, int | float):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not _finite(v):
                 return False
             if key in _INT_KEYS and not float(v).is_integer():
                 return False
         return all(k in r for k in required)
 
     return [r for r in records if ok(r)]
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int past any float: 1 followed by 400 zeros
+        return False
+
+
+def skipped_lines(run_dir: str) -> dict[str, int]:
+    """File name -> lines a reader of `read_run` skips (unreadable, or not well formed), for
+    events.jsonl and metrics.jsonl; files with none are left out."""
+    out = {}
+    for name, required in ((EVENTS, ("event", "time")), (METRICS, ())):
+        records, bad = read_jsonl_counted(os.path.join(run_dir, name))
+        bad += len(records) - len(well_formed(records, required))
+        if bad:
+            out[name] = bad
+    return out
 
 
 def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:

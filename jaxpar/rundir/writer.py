@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.rundir import runlog
+from jaxpar.rundir import ownership, runlog
 from jaxpar.rundir.runlog import append_line, last_per_step, read_jsonl
 
 # Peak dense bf16 FLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
@@ -74,7 +74,7 @@ class RunDir:
     def create(self) -> None:
         """Make the directory; the incarnation is counted again (under the run's lock). Never
         waits: a standby worker waits for its "go" before it creates one."""
-        os.makedirs(self.path, exist_ok=True)
+        ownership.make_run_dir(self.path)
         if self._incarnation is None:
             self.incarnation = self.count_starts()
 

@@ -60,14 +60,65 @@ def _header(f) -> dict:
     return msg
 
 
+class _Conn:
+    """One connection the server serves, read against a deadline for a whole request (header and
+    payload), however slowly its bytes arrive; `trusted` once it has shown the group's token."""
+
+    def __init__(self, sock: socket.socket, source: str):
+        self.sock, self.source, self.trusted, self.deadline = sock, source, False, 0.0
+        self._buf = bytearray()
+
+    def _recv(self, n: int) -> bytes:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectionError("request deadline passed")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv(n)
+        except TimeoutError:
+            raise ConnectionError("request deadline passed") from None
+
+    def readline(self, limit: int) -> bytes:
+        while b"\n" not in self._buf and len(self._buf) < limit:
+            data = self._recv(65536)
+            if not data:
+                break
+            self._buf += data
+        end = self._buf.find(b"\n") + 1 or min(limit, len(self._buf))
+        line, self._buf = bytes(self._buf[:end]), self._buf[end:]
+        return line
+
+    def readinto(self, view: memoryview) -> int:
+        if self._buf:
+            k = min(len(view), len(self._buf))
+            view[:k], self._buf = self._buf[:k], self._buf[k:]
+            return k
+        data = self._recv(min(len(view), 1 << 22))
+        view[: len(data)] = data
+        return len(data)
+
+
 class Server:
-    """Receives and serves the peer copies kept in this node's local tier."""
+    """Receives and serves the peer copies kept in this node's local tier.
+
+    At most MAX_CONNECTIONS connections are served at once (a thread each), at most
+    MAX_PER_SOURCE of those that have not shown the token from one address; a new connection's
+    first request header must arrive within HEADER_S, every request (header and payload) within
+    IO_TIMEOUT_S plus its size at MIN_RATE, and when every slot is taken a new connection takes
+    the one of the oldest connection that has not shown the token."""
+
+    MAX_CONNECTIONS = 32
+    MAX_PER_SOURCE = 8
+    HEADER_S = 10.0
+    MIN_RATE = 8 << 20  # bytes/s
 
     def __init__(self, node: str, nproc: int, limit: int):
         self.node, self.nproc, self.limit = node, nproc, limit
         self.token: str | None = None  # set by `met` once the group has met
         self._met = threading.Event()
         self._lock = threading.Lock()
+        self._conns: list[_Conn] = []
+        self._conns_lock = threading.Lock()
         host = _host()
         self.sock = socket.create_server((host, 0), family=_family(host))
         self.addr = [host, self.sock.getsockname()[1]]
@@ -86,23 +137,59 @@ class Server:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self.sock.accept()
+                sock, addr = self.sock.accept()
             except OSError:
                 return
+            if (conn := self._admit(sock, addr[0])) is None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(IO_TIMEOUT_S)
-        with conn, conn.makefile("rb") as f:
-            try:
+    def _admit(self, sock: socket.socket, source: str) -> _Conn | None:
+        """A slot for a new connection; None when its address holds too many that have not shown
+        the token, or every slot is held by connections that have."""
+        with self._conns_lock:
+            strangers = [c for c in self._conns if not c.trusted]
+            if sum(c.source == source for c in strangers) >= self.MAX_PER_SOURCE:
+                return None
+            if len(self._conns) >= self.MAX_CONNECTIONS:
+                if not strangers:
+                    return None
+                self._conns.remove(strangers[0])  # the oldest
+                with contextlib.suppress(OSError):
+                    strangers[0].sock.shutdown(socket.SHUT_RDWR)
+            conn = _Conn(sock, source)
+            self._conns.append(conn)
+            return conn
+
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            with conn.sock:
                 while True:
-                    msg = _header(f)
-                    reply, payload = self._handle(msg, f)
-                    conn.sendall((json.dumps(reply) + "\n").encode())
+                    wait = IO_TIMEOUT_S if conn.trusted else self.HEADER_S  # idle, then a header
+                    conn.deadline = time.monotonic() + wait
+                    msg = _header(conn)
+                    wait = IO_TIMEOUT_S + self._payload(msg) / self.MIN_RATE
+                    conn.deadline = time.monotonic() + wait
+                    reply, payload = self._handle(msg, conn)
+                    conn.trusted = True  # it had the token
+                    size = len(payload) if payload is not None else 0
+                    conn.sock.settimeout(IO_TIMEOUT_S + size / self.MIN_RATE)  # the whole reply
+                    conn.sock.sendall((json.dumps(reply) + "\n").encode())
                     if payload is not None:
-                        conn.sendall(payload)
-            except (OSError, ValueError, ConnectionError):
-                return
+                        conn.sock.sendall(payload)
+        except (OSError, ValueError, ConnectionError):
+            return
+        finally:
+            with self._conns_lock, contextlib.suppress(ValueError):
+                self._conns.remove(conn)
+
+    def _payload(self, msg: dict) -> int:
+        """The bytes that follow a request's header (0 if it announces none within bounds)."""
+        marker = msg.get("marker")
+        n = marker.get("nbytes") if isinstance(marker, dict) else None
+        return n if type(n) is int and 0 <= n <= self.limit else 0
 
     def _handle(self, msg: dict, f) -> tuple[dict, bytes | None]:
         src = msg.get("src")

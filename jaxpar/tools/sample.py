@@ -8,6 +8,7 @@ The restore, the cache, the tokenizer and sampling: docs/data.md, "Sampling".
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -68,6 +69,18 @@ def _step(state, token_B, cache, pos, key, *, graphdef, temperature, top_k, voca
     return _pick(logits_BTV[:, -1], key, temperature, top_k, vocab), cache
 
 
+def check_sampling(temperature: float, top_k: int, prompt: str = "") -> None:
+    """Refuse sampling settings that cannot work (ValueError naming the option)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature {temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"--top-k {top_k} must be >= 0 (0: all tokens)")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("--prompt is not valid UTF-8 text; give the prompt in UTF-8") from None
+
+
 def generate(
     model: nnx.Module,
     prompt_ids: list[int],
@@ -83,8 +96,7 @@ def generate(
         raise ValueError(
             f"{type(model).__name__} has no cached decode path (init_cache and decode methods)"
         )
-    if temperature < 0:
-        raise ValueError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
+    check_sampling(temperature, top_k)
     graphdef, state = nnx.split(model)
     static = dict(graphdef=graphdef, temperature=float(temperature), top_k=int(top_k),
                   vocab=int(vocab or model.cfg.vocab_size))  # fmt: skip
@@ -110,6 +122,7 @@ def sample(
     tokenizer: str | None = None,
 ) -> str:
     """The prompt and its continuation by the newest checkpoint of `run_dir`, as text."""
+    check_sampling(temperature, top_k, prompt)  # before the run is loaded
     cfg, params, _ = finished_run.load_run(run_dir)
     codec = run_codec(cfg, tokenizer)
     model = finished_run.build_model(cfg, params)

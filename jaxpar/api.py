@@ -7,6 +7,7 @@ reads). Usage, with a complete entrypoint: docs/api.md.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -97,6 +98,43 @@ class Job:
         return data_lib.to_device(host_rows, self.program.batch_shardings,
                                   self.cfg.data.global_batch)  # fmt: skip
 
+    def metrics_line(
+        self, step: int, metrics: dict, seconds: float, state: dict | None = None
+    ) -> dict:
+        """The metrics line `jaxpar train` writes for a step (pass it to `RunDir.metrics`):
+        `step` (steps completed), `loss`, `step_time_s` (`seconds`), samples/s or tokens/s, MFU,
+        device memory, every metric of the step (`lr`, `grad_norm`, the loss's own), `time`.
+        With a recipe's own optimizer the step returns no `lr`: given the `state` after the
+        step, the line takes it from an `optax.inject_hyperparams` optimizer state."""
+        from jaxpar.worker import training
+
+        return training.metrics_line(self._view, step, metrics, seconds, state)
+
+    @functools.cached_property
+    def _view(self) -> Any:
+        return self.session()
+
+    def session(self, run: Any = None) -> Any:
+        """The training loop's view of this job (jaxpar.worker.training.Session) writing `run`
+        (a RunDir; None: one that writes nothing)."""
+        import jax
+
+        from jaxpar.rundir.writer import peak_flops
+        from jaxpar.worker import training
+
+        return training.Session(
+            self.cfg, self.preset, self.mesh, self.source, self.program, run,
+            training.flops_per_step(self.cfg, self.source),
+            peak_flops(jax.devices()[0].device_kind),
+            lr_path=training.injected_lr_path(self.program),
+        )  # fmt: skip
+
+    def use_compiled(self, compiled: Callable) -> None:
+        """Run `train_step` as `compiled` (the same step, compiled ahead of its first call)."""
+        self.train_step = (
+            _with_sync(compiled, self.program) if self.program.sync_every else compiled
+        )
+
 
 def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job:
     """Compile `cfg` for a layout (preset name, spec, Preset or MeshSpec; default `cfg.mesh`).
@@ -145,14 +183,35 @@ def _with_sync(step: Callable, program: Any) -> Callable:
 
 
 class CheckpointManager:
-    """jaxpar's checkpoints on their own: asynchronous Orbax saves of a whole state pytree with
-    per-array checksums in `RUN_DIR/checkpoints/`, restorable onto any mesh or process count.
+    """jaxpar's checkpoints for a loop of your own: asynchronous Orbax saves of a whole state
+    pytree with per-array checksums in `RUN_DIR/checkpoints/`, restorable onto any mesh or
+    process count, and the run directory's records that `jaxpar launch`, summary.json and
+    `jaxpar report` read.
 
     `config` (a TrainConfig), when given, is recorded and checked on restore: a checkpoint of
     another model/optimizer/data config is refused unless `force=True`.
+
+    `job` (from `jaxpar.build`) makes the manager the run's bookkeeping, as `jaxpar train`
+    keeps it: it takes the run directory (its lock, config.json, the incarnation) and writes
+    `start`; `restore_or_init()` restores the newest state of the restore tiers (`restore`
+    event, with its tier) while the train step is compiled through the run's compiled-program
+    cache (`compiled`; a restarted process loads it); `after_step(step, state)` saves through
+    every tier that is due; `close()` writes `done` (and summary.json when not under `jaxpar
+    launch`). `local=True` adds the local tier: a snapshot in node RAM every
+    `cfg.ckpt.local_every` steps (-1 or 0: by state size), restored first after a failure.
+    `keep` and `use_async` default to the config's (`cfg.ckpt`) with a job, else 3 and True.
     """
 
-    def __init__(self, run_dir: str, *, keep: int = 3, use_async: bool = True, config: Any = None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        keep: int | None = None,
+        use_async: bool | None = None,
+        config: Any = None,
+        job: Job | None = None,
+        local: bool = False,
+    ):
         import jax
 
         from jaxpar import __version__
@@ -161,12 +220,64 @@ class CheckpointManager:
         from jaxpar.rundir.writer import RunDir
         from jaxpar.worker import standby
 
+        standby.wait_for_go()  # a standby's entrypoint got here first: nothing written before "go"
+        self._job, self._tiers, self._lock = job, None, None
+        self._last: int | None = None  # the newest step restored, saved or completed
+        self._stopping = False  # a preemption was reached: the loop saves and exits
+        self._closed = False
+        if job is not None:
+            self._open(run_dir, job, keep, use_async, local)
+            return
+        if local:
+            raise ValueError(
+                "CheckpointManager(local=True) needs the job its snapshots are laid out for: "
+                "CheckpointManager(run_dir, job=jaxpar.build(cfg, mesh), local=True)"
+            )
         meta: dict[str, Any] = {"jaxpar_version": __version__, "nproc": jax.process_count()}
         if config is not None:
             meta["config_hash"] = config_hash(config)
-        standby.wait_for_go()  # a standby's entrypoint got here first: nothing written before "go"
         self.run = RunDir(run_dir, jax.process_index())
-        self._ckpt = Checkpointer(self.run, every=0, keep=keep, meta=meta, use_async=use_async)
+        self._ckpt = Checkpointer(self.run, every=0, keep=3 if keep is None else keep,
+                                  meta=meta, use_async=True if use_async is None else use_async)  # fmt: skip
+
+    def _open(
+        self, run_dir: str, job: Job, keep: int | None, use_async: bool | None, local: bool
+    ) -> None:
+        import dataclasses
+        import time
+
+        import jax
+
+        from jaxpar.rundir.writer import RunDir
+        from jaxpar.worker import training
+        from jaxpar.worker.faults import parse_all
+
+        c = job.cfg.ckpt
+        every = (c.local_every or -1) if local else 0
+        ckpt = dataclasses.replace(
+            c, keep=c.keep if keep is None else keep, local_every=every,
+            use_async=c.use_async if use_async is None else use_async,
+        )  # fmt: skip
+        inc = os.environ.get(bootstrap.ENV_INCARNATION)
+        run = RunDir(run_dir, jax.process_index(), int(inc) if inc else None, create=False)
+        self._session = s = job.session(run)
+        s.cfg = dataclasses.replace(job.cfg, ckpt=ckpt)
+        self._t0 = time.time()
+        self._lock = training.take_lock(s)
+        try:
+            specs = parse_all([])  # `jaxpar launch --fault` (JAXPAR_FAULTS)
+            training.begin_incarnation(s)  # config.json, the incarnation, `start`
+            self._inject, self._tiers = training.faults_and_tiers(s, specs)
+        except BaseException:
+            self._release()
+            raise
+        self.run = run
+        self._ckpt = self._tiers[-1].checkpointer
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def directory(self) -> str:
@@ -174,6 +285,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict) -> float:
         """Start saving `state` as `step`; returns the seconds the caller was blocked."""
+        self._last = step
         return self._ckpt.save(step, state)
 
     def wait(self) -> None:
@@ -192,24 +304,127 @@ class CheckpointManager:
         """The newest good checkpoint (or `step`) placed onto `target`'s shardings: a pytree of
         `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` for the mesh you restore onto, e.g.
         `Job.abstract_state`. A damaged checkpoint is skipped for the next older one (latest
-        only). Returns the state, or None when there is no checkpoint."""
+        only). Returns the state (and writes the `restore` event), or None when there is no
+        checkpoint."""
+        import jax
+
+        from jaxpar.engine.mesh import MeshSpec
+        from jaxpar.rundir.runlog import WorkerEvent
+
         got = self._ckpt.restore(target, which="latest" if step is None else str(step),
                                  force=force)  # fmt: skip
-        return None if got is None else got[0]
+        if got is None:
+            return None
+        state, meta = got
+        sharding = getattr(jax.tree.leaves(target)[0], "sharding", None) if target else None
+        mesh = getattr(sharding, "mesh", None)
+        self.run.event(
+            WorkerEvent.RESTORE, step=int(meta["step"]), tier="persistent",
+            from_mesh=meta.get("mesh"), to_mesh=str(MeshSpec(**dict(mesh.shape))) if mesh else None,
+            from_nproc=meta.get("nproc"), to_nproc=jax.process_count(),
+            skipped_corrupt=meta.get("skipped", []),
+        )  # fmt: skip
+        self._last = int(meta["step"])
+        return state
+
+    def restore_or_init(self) -> dict:
+        """(With `job`.) The newest usable state of the restore tiers — a local snapshot when
+        `local=True` and it is at least as new as the newest checkpoint, else the checkpoint,
+        resharded onto the job's mesh — else `job.init()`. The train step is compiled (or loaded
+        from `RUN_DIR/compiled`) meanwhile and `job.train_step` runs it from now on. Writes
+        `restore` (with its tier) and `compiled`."""
+        import concurrent.futures
+
+        from jaxpar.worker import training
+
+        if self._tiers is None:
+            raise ValueError(
+                "restore_or_init() restores for a job: CheckpointManager(run_dir, job=job); "
+                "without one, use restore(job.abstract_state) or job.init()"
+            )
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
+        try:
+            state, compiled = training.restore_and_compile(self._session, self._tiers, pool)
+        finally:
+            pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
+        training.arm_faults(self._inject, self._tiers)
+        self._job.use_compiled(compiled)
+        self._last = int(state["step"])
+        return state
+
+    def before_step(self, step: int, state: dict) -> dict:
+        """(With `job`.) Step `step` (0-based) is about to run on `state`: the progress
+        heartbeat `jaxpar launch` watches for hangs and stragglers (`jaxpar.heartbeat`), and the
+        faults injected with `jaxpar launch --fault`. Returns the state to run the step on."""
+        if self._tiers is None:
+            raise ValueError(
+                "before_step() belongs to a job's loop: CheckpointManager(run_dir, job=job); "
+                "without one, call jaxpar.heartbeat(run_dir, step)"
+            )
+        self._inject.before_step(step)
+        bootstrap.heartbeat(self.run.path, step)
+        return self._inject.on_state(step, state)
+
+    def after_step(self, step: int, state: dict) -> None:
+        """(With `job`.) `step` steps are complete: save `state` through every tier that is
+        due — a checkpoint every `cfg.ckpt.every` steps and at the last step, then the local
+        snapshot (`local=True`)."""
+        if self._tiers is None:
+            raise ValueError(
+                "after_step() saves through a job's tiers: CheckpointManager(run_dir, job=job)"
+            )
+        for tier in reversed(self._tiers):  # the persistent checkpoint, then the local snapshot
+            if tier.due(step):
+                tier.save(step, state)
+        self._last = step
 
     def reached_preemption(self, step: int) -> bool:
         """True when a preemption notice (SIGTERM) arrived: save `step` and exit with
-        `jaxpar.EXIT_PREEMPTED` (all processes agree on the step)."""
-        return self._ckpt.reached_preemption(step)
+        `jaxpar.EXIT_PREEMPTED` (all processes agree on the step). Also raises the error of a
+        background save that failed (a full disk)."""
+        self._ckpt.check()
+        if self._ckpt.reached_preemption(step):
+            self._stopping = True
+            return True
+        return False
 
-    def close(self) -> None:
-        self._ckpt.close()
+    def close(self, *, failed: bool | None = None) -> None:
+        """Finish the saves in flight and close the tiers (once; later calls do nothing). With
+        `job`, a loop that ended without an error (`failed`; default: whether an exception is
+        being handled) or a preemption writes `done` (and summary.json when not under `jaxpar
+        launch`)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tiers is None:
+            self._ckpt.close()
+            return
+        import time
+
+        from jaxpar.rundir import runlog
+        from jaxpar.rundir.writer import summarize
+
+        failed = sys.exc_info()[0] is not None if failed is None else failed
+        complete = self._last is not None and self._last >= self._session.cfg.train.steps
+        try:
+            for tier in reversed(self._tiers):  # the persistent checkpoints first: final state
+                tier.close(complete=complete, failed=failed)
+        finally:
+            self._release()
+        if failed or self._stopping:
+            return
+        self.run.event(runlog.WorkerEvent.DONE, step=self._last, complete=complete)
+        if self.run.is_writer and not os.environ.get(bootstrap.ENV_SUPERVISED):
+            summary = summarize(self.run, time.time() - self._t0)
+            runlog.write_json(self.run.file(runlog.SUMMARY), summary)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self._job is not None:
+            self._inject.name_in(exc)  # an error an injected fault caused names it
+        self.close(failed=exc_type is not None)
 
 
 # --- the loop and the entrypoint -----------------------------------------------------------------

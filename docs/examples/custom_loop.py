@@ -22,37 +22,35 @@ def main() -> int:
     args = p.parse_args()
     cfg = jaxpar.apply_overrides(digits_cnn(), [f"train.steps={args.steps}"])
 
-    job = jaxpar.build(cfg, args.mesh)  # mesh, shardings, compiled steps; nothing allocated
-    run = jaxpar.RunDir(jaxpar.resolve_run_dir(args.run_dir, cfg), jax.process_index())
-    ckpt = jaxpar.CheckpointManager(run.path, config=cfg)
-    state = ckpt.restore(job.abstract_state)  # newest good checkpoint, resharded onto this mesh
-    if state is None:
-        state = job.init()  # created sharded
-    start = int(state["step"])
-    run.event("start", nproc=jax.process_count(), mesh=args.mesh)
-    try:
-        for step in range(start, cfg.train.steps):
+    job = jaxpar.build(cfg, args.mesh)  # mesh, shardings, steps; nothing allocated
+    # The run's records, as `jaxpar train` keeps them (config.json, `start`), its checkpoints,
+    # and (local=True) a snapshot in node RAM after every step, restored first after a failure.
+    ckpt = jaxpar.CheckpointManager(jaxpar.resolve_run_dir(args.run_dir, cfg), job=job, local=True)
+    run = ckpt.run  # metrics.jsonl and events.jsonl
+    with ckpt:
+        # newest snapshot or checkpoint, resharded onto this mesh (else a fresh state, created
+        # sharded), while the step compiles or loads from RUN_DIR/compiled
+        state = ckpt.restore_or_init()
+        for step in range(int(state["step"]), cfg.train.steps):
             if ckpt.reached_preemption(step):  # SIGTERM: every process saves the same step
                 ckpt.save(step, state)
                 ckpt.wait()
                 return jaxpar.EXIT_PREEMPTED  # the supervisor restarts without counting it
-            jaxpar.heartbeat(run.path, step)  # progress, for the supervisor's hang detection
+            # the progress heartbeat `jaxpar launch` watches for hangs; `--fault` specs
+            state = ckpt.before_step(step, state)
             t0 = time.time()
             state, metrics = job.train_step(state, job.batch(step))
-            loss = float(metrics["loss"])
-            if not np.isfinite(loss):
-                raise jaxpar.NonFiniteLoss(step + 1, loss)  # exit 44: roll back
-            run.metrics({"step": step + 1, "loss": loss, "accuracy": float(metrics["accuracy"]),
-                         "step_time_s": time.time() - t0, "time": time.time()})
-            if (step + 1) % 50 == 0 or step + 1 == cfg.train.steps:
-                ckpt.save(step + 1, state)
+            metrics = jax.device_get(metrics)
+            # loss, lr, accuracy, step time, samples/s ... as `jaxpar train` logs them
+            line = job.metrics_line(step + 1, metrics, time.time() - t0, state)
+            if not np.isfinite(line["loss"]):
+                raise jaxpar.NonFiniteLoss(step + 1, line["loss"])  # exit 44: roll back
+            run.metrics(line)
+            ckpt.after_step(step + 1, state)  # a checkpoint every cfg.ckpt.every steps, snapshots
         evals = [job.eval_step(state, job.batch(i, split="eval")) for i in range(4)]
-        run.metrics({"step": cfg.train.steps, "time": time.time(),
-                     "eval_loss": float(np.mean([float(m["loss"]) for m in evals]))})
-    finally:
-        ckpt.close()
-    run.event("done", step=cfg.train.steps)
-    return 0
+        eval_loss = float(np.mean([float(m["loss"]) for m in evals]))
+        run.metrics({"step": cfg.train.steps, "eval_loss": eval_loss, "time": time.time()})
+    return 0  # leaving `with ckpt` wrote `done` (not after an error or a preemption)
 
 
 if __name__ == "__main__":

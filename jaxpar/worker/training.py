@@ -66,6 +66,44 @@ class Session:
     peak: float | None
     tb: TensorBoardWriter | None = None  # log.tensorboard, process 0
     eval_compiled: Any = None  # the compiled eval step, once loaded (eval_program)
+    lr_path: tuple | None = None  # where the recipe's own optimizer keeps its learning rate
+
+
+def injected_lr_path(program: Program) -> tuple | None:
+    """Where the learning rate of a recipe's own optimizer is, for the metrics line: the key
+    path of the first `hyperparams["learning_rate"]` in the optimizer state (an optax
+    `inject_hyperparams` transformation keeps there the value its schedule gave the step just
+    taken). None when jaxpar's own schedule gives `lr`, or the optimizer keeps none."""
+    if program.schedule is not None:
+        return None
+    opt = program.abstract_state.get("opt", {})
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt)[0]:
+        if (
+            len(path) >= 2
+            and getattr(path[-2], "name", None) == "hyperparams"
+            and getattr(path[-1], "key", None) == "learning_rate"
+        ):
+            return ("opt", *path)
+    return None
+
+
+def injected_lr(state: dict, path: tuple) -> float | None:
+    """The value at `path` (injected_lr_path) of a training state, on the host."""
+    x: Any = state
+    for key in path:
+        if isinstance(key, str):
+            x = x[key]
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            x = getattr(x, key.name)
+        elif isinstance(key, jax.tree_util.DictKey):
+            x = x[key.key]
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            x = x[key.idx]
+        else:
+            return None
+    if isinstance(x, jax.Array):  # replicated: this process's copy (it may not hold them all)
+        x = x.addressable_data(0)
+    return float(np.mean(np.asarray(x)))
 
 
 def make_source(cfg: TrainConfig) -> data_lib.Source:
@@ -130,8 +168,9 @@ def setup(
     run = RunDir(run_dir, jax.process_index(), incarnation, create=False)
     kind = jax.devices()[0].device_kind
     s = Session(
-        cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind)
-    )
+        cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind),
+        lr_path=injected_lr_path(program),
+    )  # fmt: skip
     if create:
         open_run_dir(s)
     return s
@@ -209,7 +248,9 @@ def loss_metrics(line: dict, prefix: str = "") -> dict:
             and k not in METRICS_LINE_KEYS}  # fmt: skip
 
 
-def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
+def metrics_line(s: Session, step: int, m: dict, dt: float, state: dict | None = None) -> dict:
+    """The metrics line of a step: `m` (the step's metrics), its time `dt`, throughput, MFU,
+    memory; `lr` from `state` when the step does not return it (a recipe's own optimizer)."""
     # per-replica values (DiLoCo) are averaged on the host, adding no collective
     line = {"step": step, "loss": float(np.mean(m["loss"])), "step_time_s": dt}
     b = s.cfg.data.global_batch
@@ -223,6 +264,8 @@ def metrics_line(s: Session, step: int, m: dict, dt: float) -> dict:
     for k, v in m.items():  # lr, grad_norm and every metric the loss returns (e.g. accuracy)
         if k != "loss":
             line[k] = float(np.mean(v))
+    if "lr" not in line and state is not None and s.lr_path is not None:
+        line["lr"] = injected_lr(state, s.lr_path)
     line["time"] = time.time()
     return line
 
@@ -273,7 +316,7 @@ def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
     return specs
 
 
-def _lock(s: Session) -> ownership.RunDirLock | None:
+def take_lock(s: Session) -> ownership.RunDirLock | None:
     """The run directory's lock: process 0 takes it (or runs under its supervisor's) for every
     process; RunDirLocked on all processes when another run holds it."""
     lock, error = None, ""
@@ -317,7 +360,7 @@ def run(
     if standby.pending():  # the next incarnation, built ahead: wait for the failure here
         early = prepare_standby(s)
         t_start = time.time()
-    lock = _lock(s)
+    lock = take_lock(s)
     try:
         return _run_locked(s, specs, t_start, progress, early)
     finally:
@@ -369,9 +412,10 @@ def _shard_shape(shape: tuple, index: tuple) -> tuple:
     return tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=False))
 
 
-def _run_locked(
-    s: Session, specs: list, t_start: float, progress: bool | None, early: tuple | None = None
-) -> dict:
+def begin_incarnation(s: Session) -> None:
+    """What a process does first once it holds the run directory (the lock): config.json, the
+    compiled-program cache, warnings, the incarnation number and the `start` event that begins
+    the incarnation (the loop here, and a loop of one's own through jaxpar.CheckpointManager)."""
     cfg = s.cfg
     open_run_dir(s)
     compile_cache.configure(
@@ -399,37 +443,41 @@ def _run_locked(
             f"{cfg.name}: mesh {mesh_text} on {jax.device_count()} {jax.devices()[0].platform} "
             f"device(s), {jax.process_count()} process(es); run directory {s.run.path}"
         )
+
+
+def faults_and_tiers(s: Session, specs: list) -> tuple[Faults, list[Tier]]:
+    """This process's injected faults (`specs`) and the restore tiers, whose commits they hook."""
     inject = Faults(specs, s.run, jax.process_index())
-    tiers = build_tiers(
-        TierSetup(
-            cfg, s.run, s.mesh, s.program.abstract_state,
-            per_replica_params=s.program.sync_step is not None,
-            before_commit=inject.before_commit, before_snapshot=inject.before_snapshot,
-        )
+    setup = TierSetup(
+        s.cfg, s.run, s.mesh, s.program.abstract_state,
+        per_replica_params=s.program.sync_step is not None,  # DiLoCo
+        before_commit=inject.before_commit, before_snapshot=inject.before_snapshot,
     )  # fmt: skip
-    persistent = tiers[-1]
-    ckpt = persistent.checkpointer
-    inject.wait_for_saves = ckpt.wait  # `corrupt` must see the newest save committed
+    tiers = build_tiers(setup)
+    inject.wait_for_saves = tiers[-1].checkpointer.wait  # `corrupt` must see the newest save
+    return inject, tiers
+
+
+def arm_faults(inject: Faults, tiers: list[Tier]) -> None:
+    """After the restore (the local tier has met the other processes): what the faults act on."""
     local = next((t for t in tiers if t.name == "local"), None)
-    tier = local.snapshots if local is not None else None  # what the faults act on
+    tier = local.snapshots if local is not None else None
+    inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
+    inject.wait_for_snapshot = tier.wait if tier else None
+
+
+def _run_locked(
+    s: Session, specs: list, t_start: float, progress: bool | None, early: tuple | None = None
+) -> dict:
+    cfg = s.cfg
+    begin_incarnation(s)
+    inject, tiers = faults_and_tiers(s, specs)
+    persistent = tiers[-1]
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
     last = None
     try:
-        # Trace, lower and compile (or load) the step while the checkpoint is read: both only
-        # need the abstract state, and orbax's reads release the GIL.
-        step_program = pool.submit(compile_step, s) if early is None else None
-        warm = [pool.submit(t.warm_up) for t in tiers]
-        state, _ = restore_newest(tiers, s.program.init)
-        compiled, seconds = step_program.result() if early is None else early
-        s.run.event(
-            WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
-        )
-        for t, warmed in zip(tiers, warm, strict=True):
-            warmed.result()
-            t.ready()
-        inject.node = (tier.node_index(), tier.nodes, tier.node) if tier else None
-        inject.wait_for_snapshot = tier.wait if tier else None
-        bootstrap.barrier("jaxpar_compiled")  # the first step's collectives start together
+        state, compiled = restore_and_compile(s, tiers, pool, early)
+        arm_faults(inject, tiers)
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         hooks = _hooks(s, tiers, inject, int(state["step"]), progress)
         try:
@@ -449,6 +497,28 @@ def _run_locked(
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
         write_json(s.run.file(runlog.SUMMARY), summary)
     return summary
+
+
+def restore_and_compile(
+    s: Session, tiers: list[Tier], pool: concurrent.futures.Executor, early: tuple | None = None
+) -> tuple[dict, Any]:
+    """(the starting state, the compiled train step): the newest state of the tiers, else a
+    fresh one, while `pool` compiles (or loads) the step and warms up the tiers — both need only
+    the abstract state, and orbax's reads release the GIL. Then the `compiled` event, the tiers
+    ready, and a barrier: the first step's collectives start together. `early`: a standby's
+    step, compiled before its "go"."""
+    step_program = pool.submit(compile_step, s) if early is None else None
+    warm = [pool.submit(t.warm_up) for t in tiers]
+    state, _ = restore_newest(tiers, s.program.init)
+    compiled, seconds = step_program.result() if early is None else early
+    s.run.event(
+        WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
+    )
+    for t, warmed in zip(tiers, warm, strict=True):
+        warmed.result()
+        t.ready()
+    bootstrap.barrier("jaxpar_compiled")
+    return state, compiled
 
 
 def _hooks(
@@ -524,7 +594,7 @@ def _loop(s, persistent: PersistentTier, hooks: Hooks, compiled, state, t_start)
         if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
             state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
         m = jax.device_get(m)
-        line = metrics_line(s, step + 1, m, time.time() - t0)
+        line = metrics_line(s, step + 1, m, time.time() - t0, state)
         if not np.isfinite(line["loss"]):
             s.run.event(WorkerEvent.NONFINITE, step=step + 1, loss=line["loss"])
             raise NonFiniteLoss(step + 1, line["loss"])

@@ -33,7 +33,6 @@ from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLO
     SLOTS,
     Refused,
     Slots,
-    UnsafeFolder,
     authentic,
     check_root,
     exchange,
@@ -205,7 +204,8 @@ class LocalTier:
         self.peers = None  # peer_tier.Peers once restore() has met the other processes
         # after a restore() that found nothing usable although snapshots at least as new as the
         # persistent checkpoint exist: {"skipped": rejected steps, "incomplete": steps some
-        # processes hold but not all} (the caller announces the fallback)
+        # processes hold but not all, and "unusable" when some were found but not offered:
+        # unusable_at} (the caller announces the fallback)
         self.fallback: dict | None = None
         # snapshots this process found but could not offer: [{"step": int | None, "why": str}]
         self.unusable: list[dict] = []

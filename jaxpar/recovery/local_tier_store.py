@@ -250,10 +250,11 @@ class Slots:
         return None
 
     def drop_except(self, step: int | None) -> None:
-        """Invalidate every slot not holding `step`."""
+        """Invalidate every slot not holding `step` (marker first), and free its data."""
         for k, m in self.committed().items():
             if m["step"] != step:
-                self.begin(k)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.begin(k), DATA))
 
 
 def write_data(path: str, chunks) -> None:

@@ -68,19 +68,19 @@ class _Conn:
         self.sock, self.source, self.trusted, self.deadline = sock, source, False, 0.0
         self._buf = bytearray()
 
-    def _recv(self, n: int) -> bytes:
+    def _io(self, read, *args):
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ConnectionError("request deadline passed")
         self.sock.settimeout(left)
         try:
-            return self.sock.recv(n)
+            return read(*args)
         except TimeoutError:
             raise ConnectionError("request deadline passed") from None
 
     def readline(self, limit: int) -> bytes:
         while b"\n" not in self._buf and len(self._buf) < limit:
-            data = self._recv(65536)
+            data = self._io(self.sock.recv, 65536)
             if not data:
                 break
             self._buf += data
@@ -93,9 +93,7 @@ class _Conn:
             k = min(len(view), len(self._buf))
             view[:k], self._buf = self._buf[:k], self._buf[k:]
             return k
-        data = self._recv(min(len(view), 1 << 22))
-        view[: len(data)] = data
-        return len(data)
+        return self._io(self.sock.recv_into, view, len(view))  # straight into the buffer
 
 
 class Server:
@@ -262,17 +260,17 @@ class Peers:
 
     @classmethod
     def meet(
-        cls, tier, own: dict[int, int], unusable: list[dict] = ()
+        cls, tier, own: dict[int, int], unusable: list[dict] | None = None
     ) -> tuple[list[dict], list[list[int]], Peers | None]:
         """Exchange offers with every process (`own`: step -> slot of its usable snapshots;
         `unusable`: those it found but cannot use); returns (offers, the processes of each node,
         Peers or None on one node)."""
         if tier.nproc == 1:
-            return [{"own": sorted(own), "held": {}, "unusable": list(unusable)}], [[0]], None
+            return [{"own": sorted(own), "held": {}, "unusable": unusable or []}], [[0]], None
         server = Server(tier.node, tier.nproc, limit=4 * tier.nbytes + (1 << 20))
         node = f"{socket.gethostname()}:{os.path.realpath(tier.node)}"
         mine = {"own": sorted(own), "held": server.held(tier.binding["run"]),
-                "unusable": list(unusable), "node": node, "addr": server.addr,
+                "unusable": unusable or [], "node": node, "addr": server.addr,
                 "token": secrets.token_hex(16) if tier.process == 0 else None}  # fmt: skip
         offers = snap.exchange("offer", mine)
         server.met(offers[0]["token"])

@@ -265,3 +265,13 @@ def test_peer_copies_are_private_and_removed_when_the_job_completes(tmp_path, mo
     peers.close()
     assert not held.exists()
     assert jax.process_count() == 1
+
+
+def test_invalidated_snapshots_free_their_ram_and_are_not_taken_for_torn(saved, capsys):
+    tier = _tier(saved.run, saved.abstract, saved.root)
+    assert tier.restore(None)[1]["step"] == 3
+    (dropped,) = [d for d in tier.own.dirs if d != _slot(saved, 3)]
+    assert os.listdir(dropped) == []  # another timeline: marker and data gone
+    tier.forget_except(None)  # e.g. a restart from step 0: every snapshot invalidated
+    restored, err = _restart(saved, capsys)
+    assert restored is None and not _events(saved.run, "local_fallback") and not err, err

@@ -84,7 +84,7 @@ def test_idle_connections_hold_a_bounded_number_of_threads_and_files(server):
         assert most_threads <= peer_tier.Server.MAX_CONNECTIONS + 2, most_threads
         assert most_served <= peer_tier.Server.MAX_CONNECTIONS + 2, most_served
         # a process of the group still gets through: it takes the oldest stranger's slot
-        assert _put_then_get(server.addr, b"y" * 5000) == b"y" * 5000
+        assert _put_then_get(server.addr, b"y" * 300_000) == b"y" * 300_000
     finally:
         for s in socks:
             if s is not None:

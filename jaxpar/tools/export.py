@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -138,12 +139,15 @@ def _read_checked(file: str, want: dict[str, Any]) -> dict[str, np.ndarray]:
     ({name: ShapeDtypeStruct}) and before reading any data."""
     from safetensors import SafetensorError, safe_open
 
-    data = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in want.values())
+    data = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in want.values())
     limit = data + _HEADER_BYTES + 4096 + _HEADER_PER_TENSOR * len(want)
     try:
-        size = os.path.getsize(file)
+        st = os.stat(file)
     except OSError as e:
         raise ValueError(f"{file}: {e.strerror}; give an exported NAME.safetensors") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{file}: not a regular file; give an exported NAME.safetensors")
+    size = st.st_size
     if size > limit:
         raise ValueError(
             f"{file}: {size:,} bytes, more than the model's {data:,} bytes of tensors can take; "

@@ -18,4 +18,11 @@ def packages() -> list[str]:
     return found
 
 
-setup(packages=packages(), package_dir=MAPPED)
+# The user guides ship inside the package as data (jaxpar/docs/*.md): `jaxpar docs TOPIC` prints one.
+DOCS = {"jaxpar.docs": "docs"}
+
+setup(
+    packages=[*packages(), *DOCS],
+    package_dir={**MAPPED, **DOCS},
+    package_data={"jaxpar.docs": ["*.md"]},
+)

@@ -85,12 +85,14 @@ def _names() -> str:
 
 
 def _train_epilog() -> str:
-    from jaxpar.rundir.fault_kinds import KINDS
+    from jaxpar.rundir.fault_kinds import TABLE
 
+    kinds = "".join(f"  {k.usage}: {k.doc}\n" for k in TABLE)
     return (
         f"{_names()}\n"
-        f"fault kinds: {', '.join(KINDS)} (SPEC = KIND@STEP[:process=P][:permanent][:repeat]"
-        f"[:seconds=X]; see jaxpar/rundir/fault_kinds.py)\n"
+        f"fault kinds (SPEC = KIND@STEP[:process=P][:permanent][:repeat][:seconds=X]; STEP counts "
+        f"from 1; P is the process index, default 0; a spec fires once per run directory, with :repeat in every incarnation):\n"
+        f"{kinds}"
         f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
         f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
         f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "
@@ -135,7 +137,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Train a recipe: the same run as `python -m train`, with the worker exit codes."""
     from jaxpar.api import run_worker
     from jaxpar.rundir.ownership import private_umask
-
 
     def train() -> None:
         from jaxpar import api
@@ -271,7 +272,7 @@ def _add_model_parsers(sub) -> None:
 
 
 def _add_data_parser(sub) -> None:
-    data = sub.add_parser("data", help="prepare a text corpus into token shards (docs/data.md)")
+    data = sub.add_parser("data", help="prepare a text corpus into token shards (jaxpar docs data)")
     dsub = data.add_subparsers(dest="data_command", required=True)
     pre = dsub.add_parser(
         "prepare", help="train a byte-level BPE tokenizer and write token shards + meta.json"
@@ -462,7 +463,8 @@ def _add_launch_parser(sub) -> None:
         default=False,
         help="while a group trains, build the next incarnation's group up to its first step "
         "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host, devices "
-        "that can be shared (CPU); default off: see docs/cluster.md",
+        "that can be shared (CPU); default off: it holds a second set of devices and memory while "
+        "the job trains (jaxpar docs cluster)",
     )
     la.add_argument("--nnodes", type=_int_at_least(1), default=1,
                     help="hosts, one agent each, >= 1")  # fmt: skip
@@ -493,6 +495,39 @@ def _add_launch_parser(sub) -> None:
     )
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
     la.set_defaults(func=cmd_launch)
+
+
+def _docs_dir() -> str | None:
+    """The user guides: jaxpar/docs/ in an installed package, docs/ beside jaxpar/ in a checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(here, "docs"), os.path.join(os.path.dirname(here), "docs")):
+        if os.path.isfile(os.path.join(folder, "design.md")):
+            return folder
+    return None
+
+
+def docs_topics() -> dict[str, str]:
+    """Topic -> the page's path (the guides' file names without .md)."""
+    folder = _docs_dir()
+    names = sorted(os.listdir(folder)) if folder else []
+    return {n[: -len(".md")]: os.path.join(folder, n) for n in names if n.endswith(".md")}
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    topics = docs_topics()
+    if not topics:
+        raise ValueError("this installation has no documentation pages (jaxpar/docs/ is missing)")
+    if args.topic is None:
+        for topic, path in topics.items():
+            with open(path, encoding="utf-8") as f:
+                title = f.readline().lstrip("# ").strip()
+            print(f"{topic:<16} {title}")
+        return 0
+    if args.topic not in topics:
+        raise ValueError(f"no page {args.topic!r}; topics: {', '.join(topics)} (jaxpar docs)")
+    with open(topics[args.topic], encoding="utf-8") as f:
+        sys.stdout.write(f.read())
+    return 0
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -543,6 +578,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
+    doc = sub.add_parser(
+        "docs", help="print a guide (design, data, cluster, api, ...); no TOPIC: list them"
+    )
+    doc.add_argument("topic", nargs="?", metavar="TOPIC", help="a page's name, e.g. cluster")
+    doc.set_defaults(func=cmd_docs)
     _add_launch_parser(sub)
     _add_data_parser(sub)
     _add_model_parsers(sub)

@@ -22,7 +22,16 @@ from tests.support.helpers import REPO, cpu_env
 
 pytestmark = pytest.mark.slow
 
-PACKAGED = ("pyproject.toml", "setup.py", "README.md", "jaxpar", "models", "meshes", "train")
+PACKAGED = (
+    "pyproject.toml",
+    "setup.py",
+    "README.md",
+    "jaxpar",
+    "models",
+    "meshes",
+    "train",
+    "docs",
+)
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
 
 
@@ -76,12 +85,16 @@ def test_wheel_holds_one_top_level_package(venv):
     for sub in ("models", "meshes", "train"):
         assert (site / "jaxpar" / sub / "__init__.py").is_file(), sub
         assert not (site / sub).exists(), f"generic top-level package {sub!r} installed"
+    assert (site / "jaxpar" / "docs" / "cluster.md").is_file()  # `jaxpar docs` reads them
+    assert not (site / "docs").exists()
 
 
 def test_installed_cli_from_outside_the_checkout(venv, tmp_path):
     jaxpar = str(venv / "bin" / "jaxpar")
     out = _run([jaxpar, "--version"], tmp_path)
     assert out.stdout.strip() == "jaxpar 0.1.0"
+    page = _run([jaxpar, "docs", "cluster"], tmp_path).stdout
+    assert page == (REPO / "docs" / "cluster.md").read_text()
     where = _run([str(venv / "bin" / "python"), "-c", "import jaxpar; print(jaxpar.__file__)"],
                  tmp_path)  # fmt: skip
     assert str(venv) in where.stdout and str(REPO) not in where.stdout

@@ -1,0 +1,38 @@
+"""`jaxpar docs [TOPIC]` prints the user guides, which ship inside the package; `--help` texts name
+no file of the repository (a wheel user has none)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxpar import cli
+from tests.support.hardening_util import call
+
+COMMANDS = ([], ["train"], ["launch"], ["data"], ["data", "prepare"], ["sample"], ["export"],
+            ["report"], ["inspect"], ["bench"], ["docs"])  # fmt: skip
+
+
+def test_docs_lists_the_topics_and_prints_one(capsys):
+    assert call(cli.main, ["docs"]) == 0
+    listing = capsys.readouterr().out
+    for topic in ("cluster", "data", "design", "api"):
+        assert re.search(rf"^{topic}\s+\S", listing, re.M), listing
+    assert call(cli.main, ["docs", "cluster"]) == 0
+    page = capsys.readouterr().out
+    with open(cli.docs_topics()["cluster"], encoding="utf-8") as f:
+        assert page == f.read()
+
+
+def test_an_unknown_topic_is_one_line(capsys):
+    assert call(cli.main, ["docs", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no page 'nope'; topics: " in err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: "-".join(c) or "jaxpar")
+def test_help_names_no_repository_file(capsys, command):
+    assert call(cli.main, [*command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert not re.search(r"docs/|\b[a-z_/]+\.py\b", text), text

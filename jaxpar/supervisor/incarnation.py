@@ -5,6 +5,7 @@ from `fault_injected`), dump stacks if hung, record the failure and stop the sur
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -25,6 +26,27 @@ from jaxpar.supervisor.policy import (
 from jaxpar.worker import bootstrap
 
 HB_EVERY_S = 0.25  # heartbeat files are read this often; exits wake the loop at once
+TAIL_LINES = 12  # of a failed worker's log, echoed on the console
+# Lines that stay in the worker logs but never reach the console: gloo's "Rank R is connected to
+# N peer ranks" (one per process and incarnation, nothing about the failure).
+CONSOLE_NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def console_tail(text: str, n: int = TAIL_LINES) -> list[str]:
+    """The last `n` lines of a worker log's `text` worth showing on the console (CONSOLE_NOISE
+    dropped), each with its line end."""
+    lines = text.splitlines(keepends=True)
+    return [x for x in lines if not CONSOLE_NOISE.match(x)][-n:]
+
+
+def status_line(incarnation: int, step: int | None, step_time: float | None, said: int | None):
+    """The periodic console line on progress, or None: nothing to say until the first heartbeat,
+    and a step already reported is not reported again (a long compile showed step 0 twice)."""
+    if step is None or step == said:
+        return None
+    return f"incarnation {incarnation}: step {step}" + (
+        f", {step_time:.2f}s/step" if step_time else ""
+    )
 
 
 class Incarnation:
@@ -109,10 +131,11 @@ class Incarnation:
             try:
                 with open(log, "rb") as f:
                     f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
-                    last = f.read().decode(errors="replace").splitlines(keepends=True)[-12:]
+                    last = console_tail(f.read().decode(errors="replace"))
             except OSError:
                 return
-            say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
+            if last:
+                say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
 
     def _log_of(self, pid: int | None) -> str | None:
         if pid is None or pid >= len(self.job.slots):
@@ -160,6 +183,7 @@ class Incarnation:
         reported: set[int] = set()
         hb, seen = mon.hb, mon.seen
         next_hb = next_status = 0.0
+        said = None  # the step of the last status line: a step is reported once
         while True:
             now = time.time()
             if self.job.stop_request is not None:
@@ -210,10 +234,10 @@ class Incarnation:
                 if out is not None:
                     return out
             if now >= next_status:
-                if next_status and hb.max_step() is not None:
-                    st = hb.step_time()
-                    say(f"incarnation {self.job.incarnation}: step {hb.max_step()}"
-                        + (f", {st:.2f}s/step" if st else ""))  # fmt: skip
+                line = status_line(self.job.incarnation, hb.max_step(), hb.step_time(), said)
+                if next_status and line:
+                    said = hb.max_step()
+                    say(line)
                 next_status = now + self.job.opts.status_every_s
             self.job.waker.wait(max(0.0, next_hb - time.time()))
 

@@ -97,21 +97,32 @@ def _flat(tree: dict) -> dict[str, np.ndarray]:
 def _write(out: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
     """Both files under temporary names, then renamed into place; the tensors take the mode the
     config was created with (safetensors itself would create its file 0600)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     cpath = config_path(out)
     tmp_t, tmp_c = f"{out}.tmp.{os.getpid()}", f"{cpath}.tmp.{os.getpid()}"
+
+    def remove_temporaries() -> None:
+        for tmp in (tmp_t, tmp_c):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+    remove_temporaries()  # a crashed export's; O_EXCL below never follows a planted link
     try:
-        with open(os.open(tmp_c, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as f:
+        with open(os.open(tmp_c, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
             f.write(json.dumps(meta, indent=2) + "\n")
         save_file(tensors, tmp_t, metadata={"format": FORMAT, "step": str(meta["step"])})
         os.chmod(tmp_t, stat.S_IMODE(os.stat(tmp_c).st_mode))
         os.replace(tmp_t, out)
         os.replace(tmp_c, cpath)
+    except (OSError, SafetensorError) as e:
+        remove_temporaries()
+        raise ValueError(
+            f"--out {out}: cannot write it ({e}); free space or choose another path"
+        ) from None
     except BaseException:
-        for tmp in (tmp_t, tmp_c):
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        remove_temporaries()
         raise
 
 

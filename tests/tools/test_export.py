@@ -157,6 +157,13 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything(capsys, bn_run
     assert a_file.read_text() == "x"
 
 
+def test_a_failed_write_is_one_line_and_leaves_nothing(capsys, bn_run, tmp_path):
+    out = tmp_path / "m.safetensors"
+    (tmp_path / f"m.safetensors.tmp.{os.getpid()}").mkdir()  # where the tensors would go
+    assert "cannot write it" in refused(capsys, bn_run[1], "--out", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"m.safetensors.tmp.{os.getpid()}"]
+
+
 def _tampered(bn_export, tmp_path, tensors=None, raw: bytes | None = None) -> str:
     from safetensors.numpy import save_file
 

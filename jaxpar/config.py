@@ -262,31 +262,13 @@ def _convert_tuple(text: str, typ: Any, key: str) -> tuple:
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Apply `key.sub=value` overrides, converting each value to the field's declared type.
-
-    The window length is one number with two names: setting one of data.seq_len and a language
-    model's model.seq_len sets the other too."""
-    keys = set()
+    """Apply `key.sub=value` overrides, converting each value to the field's declared type."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set optim.lr=3e-4")
         cfg = _set_path(cfg, key.strip().split("."), value.strip(), key)
-        keys.add(key.strip())
-    return _same_seq_len(cfg, keys)
-
-
-def _same_seq_len(cfg: Any, keys: set[str]) -> Any:
-    pair = {"data.seq_len", "model.seq_len"}
-    if len(keys & pair) != 1 or not isinstance(cfg, TrainConfig):
-        return cfg
-    if not isinstance(getattr(cfg.model, "seq_len", None), int):
-        return cfg
-    if "data.seq_len" in keys:
-        return dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, seq_len=cfg.data.seq_len)
-        )
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.model.seq_len))
+    return cfg
 
 
 def _set_path(obj: Any, parts: list[str], value: str, key: str, prefix: str = "") -> Any:
@@ -468,12 +450,15 @@ def _check_dir(key: str, path: str) -> None:
 
 
 def _check_seq_len(cfg: TrainConfig) -> None:
-    """A language model trains on windows of its own `seq_len`: data.seq_len must agree."""
+    """A language model trains on windows of its own `seq_len`: data.seq_len must agree (it
+    used to be recorded in config.json and ignored). Both are set together, never guessed: the
+    model's size and memory follow from it."""
     model_len = getattr(cfg.model, "seq_len", None)
     if isinstance(model_len, int) and model_len != cfg.data.seq_len:
+        n = cfg.data.seq_len
         raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} but model.seq_len={model_len}: the model's context "
-            f"is the window length; set one of them (--set data.seq_len=N sets both)"
+            f"data.seq_len={n} but model.seq_len={model_len}: the model's context is the window "
+            f"length; set both (--set data.seq_len={n} --set model.seq_len={n}) or neither"
         )
 
 

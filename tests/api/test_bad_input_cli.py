@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from jaxpar import cli
-from jaxpar.config import apply_overrides, resolve_recipe
+from jaxpar.config import apply_overrides, resolve_recipe, validate
 from jaxpar.rundir import runlog
 from tests.support.hardening_util import call, snapshot
 
@@ -62,7 +62,8 @@ def test_sample_refuses_a_prompt_that_is_not_utf8(capsys, tmp_path):
         ),
         (["--set", "ckpt.local_dir=/proc/x"], "ckpt.local_dir=/proc/x is under /proc"),
         (["--set", "run.compile_cache_dir=/sys/x"], "run.compile_cache_dir=/sys/x is under /sys"),
-        (["--set", "data.seq_len=65", "--set", "model.seq_len=64"], "data.seq_len=65 but model"),
+        (["--set", "data.seq_len=65"], "data.seq_len=65 but model.seq_len=64"),
+        (["--set", "data.seq_len=100000"], "data.seq_len=100000 but model.seq_len=64"),
     ],
 )
 def test_train_refuses_before_writing(capsys, tmp_path, argv, message):
@@ -83,14 +84,14 @@ def test_a_local_dir_below_a_file_is_refused(capsys, tmp_path):
     assert "is a file, not a folder" in line and not (tmp_path / "run").exists()
 
 
-def test_seq_len_is_one_setting_under_two_names():
+def test_seq_len_is_set_for_data_and_model_together():
     """--set data.seq_len=N used to be recorded in config.json and ignored (the model's seq_len
-    made the windows): now either name sets both."""
+    made the windows): now it is refused unless model.seq_len says the same."""
     cfg = resolve_recipe("gpt_tiny")
     for key in ("data.seq_len", "model.seq_len"):
-        new = apply_overrides(cfg, [f"{key}=32"])
-        assert (new.data.seq_len, new.model.seq_len) == (32, 32)
-    both = apply_overrides(cfg, ["data.seq_len=48", "model.seq_len=48"])
+        with pytest.raises(ValueError, match="set both .*data.seq_len=.* --set model.seq_len="):
+            validate(apply_overrides(cfg, [f"{key}=32"]))
+    both = validate(apply_overrides(cfg, ["data.seq_len=48", "model.seq_len=48"]))
     assert (both.data.seq_len, both.model.seq_len) == (48, 48)
 
 

@@ -93,11 +93,27 @@ def _train_epilog() -> str:
         f"fault kinds (SPEC = KIND@STEP[:process=P][:permanent][:repeat][:seconds=X]; STEP counts "
         f"from 1; P is the process index, default 0; a spec fires once per run directory, with :repeat in every incarnation):\n"
         f"{kinds}"
-        f"--set keys: SECTION.KEY for the sections data, optim, train, log, ckpt, run, pipeline, "
-        f"comm, precision and model (e.g. --set optim.lr=1e-3 --set model.n_layers=2)\n"
+        f"--set keys: SECTION.KEY (e.g. --set optim.lr=1e-3 --set model.n_layers=2); model.* are "
+        f"the recipe's model config's fields; the other sections, with their defaults:\n"
+        f"{_set_keys()}"
         f"Ctrl-C saves a checkpoint at the next step and prints the command that resumes; a "
         f"second Ctrl-C stops at once."
     )
+
+
+def _set_keys() -> str:
+    """Every --set key of the sections other than model, with its default (for --help)."""
+    from jaxpar.config import TrainConfig
+
+    out = []
+    for section in dataclasses.fields(TrainConfig):
+        factory = section.default_factory
+        if factory is dataclasses.MISSING:
+            continue
+        values = ", ".join(f"{f.name}={getattr(factory(), f.name)!r}"
+                           for f in dataclasses.fields(factory))  # fmt: skip
+        out.append(f"  {section.name}: {values}\n")
+    return "".join(out)
 
 
 def add_train_arguments(

@@ -36,3 +36,15 @@ def test_help_names_no_repository_file(capsys, command):
     assert call(cli.main, [*command, "--help"]) == 0
     text = capsys.readouterr().out
     assert not re.search(r"docs/|\b[a-z_/]+\.py\b", text), text
+
+
+def test_train_help_says_what_the_files_said(capsys):
+    """The fault kinds' grammar and effect, and every --set key with its default."""
+    from jaxpar.rundir.fault_kinds import TABLE
+
+    assert call(cli.main, ["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    for kind in TABLE:
+        assert f"  {kind.usage}: {kind.doc}" in text
+    assert "  ckpt: every=50, keep=3, restore='latest'" in text
+    assert "  comm: compress='none'" in text

@@ -277,7 +277,8 @@ def _add_model_parsers(sub) -> None:
                      help="a finite number >= 0; 0 = greedy (deterministic)")  # fmt: skip
     sam.add_argument("--top-k", type=_int_at_least(0), default=0,
                      help="sample among the k likeliest, >= 0 (0: all)")  # fmt: skip
-    sam.add_argument("--seed", type=int, default=0)
+    sam.add_argument("--seed", type=_int_at_least(0, 2**63 - 1), default=0,
+                     help="random seed of the draws, >= 0 (default 0)")  # fmt: skip
     sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
     sam.set_defaults(func=cmd_sample)
     exp = sub.add_parser("export", help="a run's model variables as safetensors + config JSON")

@@ -377,7 +377,7 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
     "optim.momentum": FRACTION_OPEN,
     "train.steps": STEPS,
     "train.microbatches": AT_LEAST_1,
-    "train.seed": NON_NEGATIVE,
+    "train.seed": Range(0, 2**63 - 1),  # jax.random.key takes an int64
     "train.eval_every": NON_NEGATIVE,
     "train.eval_batches": AT_LEAST_1,
     "log.every": AT_LEAST_1,

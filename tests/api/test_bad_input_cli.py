@@ -36,6 +36,7 @@ def one_line_refusal(capsys, argv: list[str]) -> str:
         ("--temperature", "inf", "--temperature: must be a finite number >= 0"),
         ("--temperature", "-0.5", "--temperature: must be a finite number >= 0"),
         ("--max-new-tokens", "0", "--max-new-tokens: must be >= 1"),
+        ("--seed", str(2**64), "--seed: must be in [0, 9,223,372,036,854,775,807]"),
     ],
 )
 def test_sample_refuses_bad_sampling_values(capsys, tmp_path, option, value, message):
@@ -61,6 +62,7 @@ def test_sample_refuses_a_prompt_that_is_not_utf8(capsys, tmp_path):
             "train.steps=100000000000000000000 is out",
         ),
         (["--set", "ckpt.local_dir=/proc/x"], "ckpt.local_dir=/proc/x is under /proc"),
+        (["--set", f"train.seed={2**64}"], f"train.seed={2**64} is out of range"),
         (["--set", "run.compile_cache_dir=/sys/x"], "run.compile_cache_dir=/sys/x is under /sys"),
         (["--set", "data.seq_len=65"], "data.seq_len=65 but model.seq_len=64"),
         (["--set", "data.seq_len=100000"], "data.seq_len=100000 but model.seq_len=64"),

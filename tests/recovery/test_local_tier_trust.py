@@ -24,6 +24,7 @@ from test_snapshot_peer_unit import TOKEN, _peers
 from test_snapshot_unit import _abstract, _events, _mesh, _state, _tier
 
 from jaxpar.recovery import local_tier, peer_tier, tiers
+from jaxpar.recovery import local_tier_store as store
 from jaxpar.recovery.local_tier_store import DATA, MARKER, UnsafeFolder, load_bytes
 from jaxpar.rundir.writer import RunDir
 
@@ -275,3 +276,21 @@ def test_invalidated_snapshots_free_their_ram_and_are_not_taken_for_torn(saved, 
     tier.forget_except(None)  # e.g. a restart from step 0: every snapshot invalidated
     restored, err = _restart(saved, capsys)
     assert restored is None and not _events(saved.run, "local_fallback") and not err, err
+
+
+def test_the_mac_covers_every_piece_of_every_block_and_the_marker(monkeypatch):
+    monkeypatch.setattr(store, "MAC_PIECE", 7)  # many pieces, hashed on several threads
+    key = b"k" * 32
+    blocks = [np.arange(20, dtype=np.uint8), np.zeros(0, np.uint8), np.arange(9, dtype=np.uint8)]
+    marker = {"step": 4, "blocks": [{"offset": 0, "nbytes": 20}, {"offset": 20, "nbytes": 0},
+                                    {"offset": 20, "nbytes": 9}]}  # fmt: skip
+    marker["mac"] = store.seal(marker, blocks, key)
+    data = bytearray(b"".join(b.tobytes() for b in blocks))
+    assert store.authentic(marker, data, key)
+    for i in range(len(data)):  # any byte
+        forged = bytearray(data)
+        forged[i] ^= 1
+        assert not store.authentic(marker, forged, key), i
+    assert not store.authentic({**marker, "step": 5}, data, key)  # the commit record
+    assert not store.authentic(marker, data, b"x" * 32)  # another user's key
+    assert not store.authentic({**marker, "blocks": None}, data, key)

@@ -51,7 +51,7 @@ AUTO_BYTES = 256 * 2**20  # per process: above this, snapshot every ceil(bytes /
 ENV_LOCAL_DIR = "JAXPAR_LOCAL_DIR"
 ROOT_FIX = (f"chmod 700 it if it is yours, else set ckpt.local_dir or ${ENV_LOCAL_DIR} to a folder "
             f"only you can write")  # fmt: skip
-FORMAT = 1
+FORMAT = 2  # 2: commit markers carry a MAC
 KV_TIMEOUT_MS = 1000  # one wait on the key-value store; the writer loops until it stops
 
 

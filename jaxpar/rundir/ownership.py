@@ -183,9 +183,15 @@ class RunDirLock:
 
 def read_holder(run_dir: str) -> dict:
     """The lock file's record (pid, host, owner, token, since), {} if absent or unreadable."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        with open(os.path.join(run_dir, LOCK_FILE), "rb") as f:
-            record = json.loads(f.read(4096).decode("utf-8", "replace") or "{}")
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: never read
+                return {}
+            record = json.loads(os.read(fd, 4096).decode("utf-8", "replace") or "{}")
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -251,7 +257,16 @@ def _open_lock(run_dir: str, path: str) -> int:
     """The lock file's descriptor; a lock file that is a symlink, or that this user cannot open
     (another user's), is refused with one line (RunDirLocked) instead of being used."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600
+        )
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        raise RunDirLocked(
+            f"run directory {run_dir}: its lock file {path} is not a regular file (jaxpar makes "
+            f"only regular ones); remove it"
+        )
     except OSError as e:
         if os.path.islink(path):
             why = "is a symlink (jaxpar never makes one); remove it"
@@ -289,7 +304,7 @@ def held(run_dir: str) -> bool:
     """Whether a live process holds the run directory's lock (nothing is created)."""
     path = os.path.join(os.path.abspath(run_dir), LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -124,3 +124,13 @@ def test_a_line_with_a_non_finite_number_is_skipped_and_counted(tmp_path, number
     assert kept == good
     assert runlog.skipped_lines(str(tmp_path)) == {runlog.METRICS: 1}
     assert runlog.read_run(str(tmp_path))[1] == good
+
+
+def test_a_lock_file_that_is_a_fifo_never_blocks(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "lock", 0o600)
+    assert ownership.read_holder(str(run)) == {}
+    assert not ownership.held(str(run))
+    with pytest.raises(ownership.RunDirLocked, match="not a regular file"):
+        ownership.acquire(str(run), "test")

@@ -148,9 +148,10 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     from jaxpar.engine.mesh import make_mesh
     from jaxpar.engine.rules import validate_rules
     from jaxpar.parallel.program import build_program
-    from jaxpar.worker.training import make_source
+    from jaxpar.worker.training import make_source, supervised_layout
 
-    layout = preset(cfg.mesh if mesh is None else mesh)
+    # after an elastic shrink, `jaxpar launch`'s mesh and microbatches (as for `fit`)
+    cfg, layout = supervised_layout(cfg, preset(cfg.mesh if mesh is None else mesh))
     validate_rules(layout.params)
     validate_rules(layout.acts)
     m = make_mesh(layout.mesh, list(devices) if devices is not None else None)
@@ -250,7 +251,6 @@ class CheckpointManager:
 
         from jaxpar.rundir.writer import RunDir
         from jaxpar.worker import training
-        from jaxpar.worker.faults import parse_all
 
         c = job.cfg.ckpt
         every = (c.local_every or -1) if local else 0
@@ -263,9 +263,11 @@ class CheckpointManager:
         self._session = s = job.session(run)
         s.cfg = dataclasses.replace(job.cfg, ckpt=ckpt)
         self._t0 = time.time()
+        # every check that can refuse the run before anything is written; the faults of
+        # `jaxpar launch --fault` (JAXPAR_FAULTS)
+        specs = training.preflight(s.cfg, run_dir, [])
         self._lock = training.take_lock(s)
         try:
-            specs = parse_all([])  # `jaxpar launch --fault` (JAXPAR_FAULTS)
             training.begin_incarnation(s)  # config.json, the incarnation, `start`
             self._inject, self._tiers = training.faults_and_tiers(s, specs)
         except BaseException:

@@ -5,6 +5,7 @@ tier, `compiled`, `done`) and its local snapshots, and `lr` with a recipe's own 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -12,9 +13,10 @@ import optax
 import pytest
 
 import jaxpar
+from jaxpar.recovery.checkpoint import CheckpointMismatch
 from jaxpar.rundir.runlog import read_jsonl
 from jaxpar.train.recipes import digits_mlp
-from jaxpar.worker import training
+from jaxpar.worker import bootstrap, training
 
 MESH = "data=2,tensor=4"
 SCHEDULE = optax.linear_schedule(0.01, 0.001, 10)
@@ -85,6 +87,26 @@ def test_a_job_records_its_incarnations_and_restores_its_local_snapshot(job, tmp
     assert _events(run_dir, "done")[-1]["complete"] is True
     summary = (run_dir / "summary.json").read_text()  # not under jaxpar launch
     assert '"steps": 6' in summary
+
+
+def test_a_refused_run_writes_nothing(job, tmp_path):
+    run_dir = tmp_path / "run"
+    with jaxpar.CheckpointManager(str(run_dir), config=job.cfg, use_async=False) as ckpt:
+        ckpt.save(2, job.init())
+    before = sorted(os.listdir(run_dir)), (run_dir / "events.jsonl").read_bytes()
+    other = jaxpar.build(dataclasses.replace(job.cfg, optim=dataclasses.replace(
+        job.cfg.optim, lr=0.5)), MESH)  # fmt: skip
+    with pytest.raises(CheckpointMismatch, match="another model/optimizer/data config"):
+        jaxpar.CheckpointManager(str(run_dir), job=other)
+    assert (sorted(os.listdir(run_dir)), (run_dir / "events.jsonl").read_bytes()) == before
+
+
+def test_build_takes_the_layout_of_a_shrunk_job(monkeypatch, tmp_path):
+    monkeypatch.setenv(bootstrap.ENV_MESH, "data=2,tensor=2")  # what jaxpar launch sets
+    monkeypatch.setenv(bootstrap.ENV_MICROBATCHES, "2")
+    job = jaxpar.build(_cfg(2, tmp_path), MESH, devices=jax.devices()[:4])
+    assert dict(job.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
+    assert job.cfg.train.microbatches == 2
 
 
 def test_a_manager_without_a_job_has_no_local_tier(tmp_path):

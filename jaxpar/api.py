@@ -112,9 +112,9 @@ class Job:
 
     @functools.cached_property
     def _view(self) -> Any:
-        return self.session()
+        return self._loop_session()
 
-    def session(self, run: Any = None) -> Any:
+    def _loop_session(self, run: Any = None) -> Any:
         """The training loop's view of this job (jaxpar.worker.training.Session) writing `run`
         (a RunDir; None: one that writes nothing)."""
         import jax
@@ -129,7 +129,7 @@ class Job:
             lr_path=training.injected_lr_path(self.program),
         )  # fmt: skip
 
-    def use_compiled(self, compiled: Callable) -> None:
+    def _use_compiled(self, compiled: Callable) -> None:
         """Run `train_step` as `compiled` (the same step, compiled ahead of its first call)."""
         self.train_step = (
             _with_sync(compiled, self.program) if self.program.sync_every else compiled
@@ -260,7 +260,7 @@ class CheckpointManager:
         )  # fmt: skip
         inc = os.environ.get(bootstrap.ENV_INCARNATION)
         run = RunDir(run_dir, jax.process_index(), int(inc) if inc else None, create=False)
-        self._session = s = job.session(run)
+        self._session = s = job._loop_session(run)
         s.cfg = dataclasses.replace(job.cfg, ckpt=ckpt)
         self._t0 = time.time()
         # every check that can refuse the run before anything is written; the faults of
@@ -350,7 +350,7 @@ class CheckpointManager:
         finally:
             pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
         training.arm_faults(self._inject, self._tiers)
-        self._job.use_compiled(compiled)
+        self._job._use_compiled(compiled)
         self._last = int(state["step"])
         return state
 

@@ -58,7 +58,7 @@ def check_model_config(model_cfg: Any) -> None:
         raise ValueError(
             f"TrainConfig.model is a {type(model_cfg).__name__}, which has no build(rngs) method; "
             f"give a model config (e.g. a frozen dataclass) with build(rngs) -> nnx.Module "
-            f"(docs/model_contract.md)"
+            f"(jaxpar docs model_contract)"
         )
 
 
@@ -93,5 +93,5 @@ def unsharded_warning(param_logical: Any) -> str | None:
     return (
         "warning: no parameter of the model names its dimensions, so nothing is sharded: every "
         "device holds the whole model and optimizer state (data parallelism only). Annotate "
-        "parameters with nnx.with_partitioning(init, names) (docs/model_contract.md)"
+        "parameters with nnx.with_partitioning(init, names) (jaxpar docs model_contract)"
     )

@@ -426,7 +426,7 @@ def make_source(
     if factory is None:
         raise ValueError(
             f"unknown data source {name!r}; use one of {source_names()} or MODULE:CALLABLE for "
-            "your own (see docs/data.md)"
+            "your own (see: jaxpar docs data)"
         )
     return check_source(factory(args), name)
 
@@ -470,7 +470,7 @@ def check_source(source: Any, label: str) -> Source:
     if missing:
         raise ValueError(
             f"data source {label!r} returned {type(source).__name__}, which lacks {missing}; a "
-            "source needs name, kind, example(index, split) and size(split) (docs/data.md)"
+            "source needs name, kind, example(index, split) and size(split) (jaxpar docs data)"
         )
     if source.kind not in KINDS:
         raise ValueError(f"data source {label!r}: kind={source.kind!r}; use one of {KINDS}")

@@ -3,8 +3,8 @@ refused with one line naming the fix; planted symlinks are never followed; snaps
 (0700 folders, 0600 files); a forged snapshot (bytes edited, CRCs recomputed), a file of another
 user or a forged peer copy is refused and the run falls back with a line and an event; a restart
 that finds only torn snapshots and no checkpoint says it starts from step 0; peer copies held on
-a node are removed when the job completes. Tests run as root: another user is simulated with
-chown to uid 65534.
+a node are removed when the job completes. Another user is simulated with chown to uid
+65534 (as root; the tests that need it are skipped for other users).
 
     python -m pytest tests/recovery/test_local_tier_trust.py
 """
@@ -29,6 +29,13 @@ from jaxpar.recovery.local_tier_store import DATA, MARKER, UnsafeFolder, load_by
 from jaxpar.rundir.writer import RunDir
 
 NOBODY = 65534
+
+
+def _chown_to_another_user(path) -> None:
+    """chown to uid 65534; only root may, so elsewhere the test is skipped."""
+    if os.geteuid() != 0:
+        pytest.skip("simulating another user's file needs root (chown)")
+    os.chown(path, NOBODY, NOBODY)
 
 
 @pytest.fixture
@@ -89,7 +96,7 @@ def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack)
     root.parent.mkdir()
     if attack == "other_owner":  # another user created it first (a predictable name)
         root.mkdir(mode=0o700)
-        os.chown(root, NOBODY, NOBODY)
+        _chown_to_another_user(root)
     elif attack == "mode_0777":
         root.mkdir()
         os.chmod(root, 0o777)
@@ -192,7 +199,7 @@ def test_forged_snapshots_fall_back_with_a_line_and_an_event(saved, capsys):
 
 
 def test_files_of_another_user_are_refused(saved, capsys):
-    os.chown(os.path.join(_slot(saved, 3), DATA), NOBODY, NOBODY)
+    _chown_to_another_user(os.path.join(_slot(saved, 3), DATA))
     with pytest.raises(OSError, match="belongs to uid 65534"):
         load_bytes(os.path.join(_slot(saved, 3), DATA))
     got, info = _tier(saved.run, saved.abstract, saved.root).restore(None)
@@ -203,7 +210,7 @@ def test_files_of_another_user_are_refused(saved, capsys):
     for d in saved.tier.own.dirs:
         with open(os.path.join(d, MARKER), "w") as f:
             json.dump({"step": 9}, f)
-        os.chown(os.path.join(d, MARKER), NOBODY, NOBODY)
+        _chown_to_another_user(os.path.join(d, MARKER))
     restored, err = _restart(saved, capsys)
     assert restored is None
     (fallback,) = _events(saved.run, "local_fallback")

@@ -27,9 +27,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-MAX_STEPS = 2**31 - 1  # step numbers are int32 on the device (config.RANGES says the same)
-
-
 def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
@@ -120,6 +117,8 @@ def add_train_arguments(
     p: argparse.ArgumentParser, argv: list[str] | None = None
 ) -> argparse.ArgumentParser:
     """`jaxpar train`'s options, shared with `python -m train` / `python -m jaxpar.train`."""
+    from jaxpar.config import MAX_STEPS  # jax-free, as _set_keys's import
+
     if _help_asked(argv):
         p.epilog = _train_epilog()
         p.formatter_class = argparse.RawDescriptionHelpFormatter

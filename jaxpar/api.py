@@ -199,8 +199,9 @@ class CheckpointManager:
     cache (`compiled`; a restarted process loads it); `before_step(step, state)` writes the
     progress heartbeat and runs `--fault` specs; `after_step(step, state)` saves through every
     tier that is due; `close()` writes `done` (and summary.json when not under `jaxpar
-    launch`). Nothing is written before the checks of `jaxpar train` have passed. `local=True` adds the local tier: a snapshot in node RAM every
-    `cfg.ckpt.local_every` steps (-1 or 0: by state size), restored first after a failure.
+    launch`). Nothing is written before the checks of `jaxpar train` have passed.
+    `local=True` adds the local tier: a snapshot in node RAM every `cfg.ckpt.local_every` steps
+    (-1 or 0: by state size), restored first after a failure.
     `keep` and `use_async` default to the config's (`cfg.ckpt`) with a job, else 3 and True.
     """
 

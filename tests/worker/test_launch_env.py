@@ -8,6 +8,7 @@ died (`bootstrap.guard()` -> exit code 43 instead of waiting in jax's shutdown b
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -29,8 +30,11 @@ assert bootstrap.initialize_from_env(), "no cluster environment detected"
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
 got = multihost_utils.process_allgather(jnp.asarray([jax.process_index()]))
-print("PROBE", bootstrap.detect_cluster(), jax.process_count(), jax.process_index(),
-      jax.device_count(), got.ravel().tolist(), flush=True)
+# The result goes to a file of its own: gloo's C++ logging shares (and splits) stdout's lines.
+import json, os
+with open(os.environ["PROBE_OUT"] + str(jax.process_index()), "w") as f:
+    json.dump([bootstrap.detect_cluster(), jax.process_count(), jax.process_index(),
+               jax.device_count(), got.ravel().tolist()], f)
 """
 
 PEER_DIES = """
@@ -89,15 +93,21 @@ def _env(**kw: str) -> dict[str, str]:
     return env
 
 
-def _check_probe(results, cluster: str) -> None:
+def _probe(envs: list[dict], tmp_path) -> list[tuple[int, str]]:
+    for env in envs:
+        env["PROBE_OUT"] = str(tmp_path / "probe")
+    return _run(PROBE, envs)
+
+
+def _check_probe(results, cluster: str, tmp_path) -> None:
     for i, (rc, text) in enumerate(results):
         assert rc == 0, text[-3000:]
-        assert "PROBE" in text, text[-3000:]
-        line = text[text.index("PROBE") :].splitlines()[0]  # C++ output may share the line
-        assert line.split(" ", 5) == ["PROBE", cluster, "2", str(i), "4", "[0, 1]"], line
+        out = tmp_path / f"probe{i}"
+        assert out.exists(), text[-3000:]
+        assert json.loads(out.read_text()) == [cluster, 2, i, 4, [0, 1]], text[-3000:]
 
 
-def test_slurm_environment():
+def test_slurm_environment(tmp_path):
     port = str(_port())
     envs = [
         _env(
@@ -115,10 +125,10 @@ def test_slurm_environment():
         )  # fmt: skip
         for i in range(2)
     ]
-    _check_probe(_run(PROBE, envs), "slurm")
+    _check_probe(_probe(envs, tmp_path), "slurm", tmp_path)
 
 
-def test_open_mpi_environment():
+def test_open_mpi_environment(tmp_path):
     port = str(_port())
     envs = [
         _env(
@@ -131,16 +141,16 @@ def test_open_mpi_environment():
         )  # fmt: skip
         for i in range(2)
     ]
-    _check_probe(_run(PROBE, envs), "ompi")
+    _check_probe(_probe(envs, tmp_path), "ompi", tmp_path)
 
 
-def test_kubernetes_indexed_job_environment():
+def test_kubernetes_indexed_job_environment(tmp_path):
     addr = f"127.0.0.1:{_port()}"
     envs = [
         _env(JAXPAR_COORDINATOR=addr, JAXPAR_NUM_PROCESSES="2", JOB_COMPLETION_INDEX=str(i))
         for i in range(2)
     ]
-    _check_probe(_run(PROBE, envs), "k8s")
+    _check_probe(_probe(envs, tmp_path), "k8s", tmp_path)
 
 
 def test_survivor_exits_43_at_once_when_a_peer_dies():

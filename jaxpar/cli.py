@@ -342,9 +342,14 @@ def launch_options(args: argparse.Namespace):
         grace_s=args.grace, backoff_base_s=args.backoff, backoff_cap_s=args.backoff_cap,
         crash_loop=args.crash_loop, straggler_factor=args.straggler_factor, faults=args.faults,
         spares=not args.no_spares, bind_host=args.host, token_file=args.token_file,
-        standby=args.standby,
+        standby=args.standby, groups=args.groups,
+        min_groups=args.min_groups or args.groups // 2 + 1,
     )  # fmt: skip
     check_options(opts)
+    if opts.groups != 1:
+        from jaxpar.supervisor.replicas import check_groups
+
+        check_groups(opts)
     _check_fault_targets(opts.faults, opts.nproc * opts.nnodes, opts.nnodes)
     if opts.token_file:
         from jaxpar.rundir.ownership import check_secret_file
@@ -481,6 +486,22 @@ def _add_launch_parser(sub) -> None:
         "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host, devices "
         "that can be shared (CPU); default off: it holds a second set of devices and memory while "
         "the job trains (jaxpar docs cluster)",
+    )
+    la.add_argument(
+        "--groups",
+        type=_int_at_least(1),
+        default=1,
+        metavar="R",
+        help="run the --nproc processes as R replica groups, each its own jax.distributed "
+        "world and mesh, data parallel across groups; a failed group restarts alone while the "
+        "others keep training (jaxpar docs cluster)",
+    )
+    la.add_argument(
+        "--min-groups",
+        type=_int_at_least(1),
+        default=None,
+        metavar="M",
+        help="the smallest quorum of groups that trains a step (default: more than half)",
     )
     la.add_argument("--nnodes", type=_int_at_least(1), default=1,
                     help="hosts, one agent each, >= 1")  # fmt: skip

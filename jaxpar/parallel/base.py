@@ -117,10 +117,18 @@ class Strategy:
         return loss, aux, grads, with_model_state(extra, mstate)
 
     def step(self, state: dict, batch: dict, key: jax.Array):
-        ctx = self.ctx
+        return self.update(state, *self.state_gradients(state, batch, key))
+
+    def state_gradients(self, state: dict, batch: dict, key: jax.Array):
+        """(loss, aux, grads, extra) of `batch` at `state`: the first half of `step`."""
         extra = {k: state[k] for k in self.state_keys}
-        with activation_rules(ctx.mesh, ctx.act_rules):
-            loss, aux, grads, extra = self.gradients(state["params"], batch, key, extra)
+        with activation_rules(self.ctx.mesh, self.ctx.act_rules):
+            return self.gradients(state["params"], batch, key, extra)
+
+    def update(self, state: dict, loss, aux, grads, extra: dict):
+        """The optimizer update of `state` by `grads`, and the step's metrics: the second half of
+        `step` (replica groups average loss and gradients across groups in between)."""
+        ctx = self.ctx
         updates, opt = ctx.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}

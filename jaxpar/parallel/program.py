@@ -110,6 +110,8 @@ class Program:
     sync_every: int = 0
     strategy: str = "spmd"  # the jaxpar.parallel strategy (plan.STRATEGIES)
 
+    # the strategy object: its two halves of a step (state_gradients, update) for replica groups
+    parts: Any = None
 
 def _pure(state: nnx.State) -> dict:
     return nnx.to_pure_dict(state)
@@ -233,7 +235,7 @@ def build_program(
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
         schedule=schedule, task=task, sync_step=sync, sync_every=strategy.sync_every,
-        strategy=strategy.name,
+        strategy=strategy.name, parts=strategy,
     )  # fmt: skip
 
 

@@ -69,4 +69,8 @@ def main(opts: Options) -> int:
     if opts.nnodes > 1 and opts.node_rank != 0:
         return run_follower(opts)
     announce_binds(opts)
+    if opts.groups > 1:
+        from jaxpar.supervisor.replicas import run_groups
+
+        return run_groups(opts)
     return Supervisor(opts).run()

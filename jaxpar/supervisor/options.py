@@ -51,6 +51,10 @@ class Options:
     # unauthenticated connection holds one of the leader's few handshake slots no longer
     handshake_timeout_s: float = 5.0
     poll_s: float = 0.1
+    # replica groups (jaxpar/supervisor/replicas.py): nproc / groups processes each, data
+    # parallel across groups through the leader's group hub; a failed group restarts alone
+    groups: int = 1
+    min_groups: int = 1  # the smallest quorum that may train a step
     status_every_s: float = 30.0
 
     @property

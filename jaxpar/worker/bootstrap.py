@@ -57,6 +57,9 @@ ENV_COLLECTIVE_TIMEOUT = "JAXPAR_COLLECTIVE_TIMEOUT_S"  # a collective waiting l
 ENV_START_PATH = "JAXPAR_START_PATH"  # a spare handed a slot: "spare" (else standby or cold)
 ENV_MESH = "JAXPAR_MESH"  # mesh spec, e.g. "data=4,fsdp=1,tensor=1,pipeline=1"
 ENV_MICROBATCHES = "JAXPAR_MICROBATCHES"  # gradient-accumulation microbatches per step
+# A replica group's worker (`jaxpar launch --groups`): its index among all the job's processes
+# (group * P + process id), which names its heartbeat and stack files
+ENV_GLOBAL_PROCESS = "JAXPAR_GLOBAL_PROCESS"
 
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 HEARTBEAT_DIR = runlog.HEARTBEATS
@@ -220,6 +223,8 @@ def process_index() -> int:
 
 
 def _process_index() -> int:
+    if ENV_GLOBAL_PROCESS in os.environ:
+        return int(os.environ[ENV_GLOBAL_PROCESS])
     if ENV_PROCESS_ID in os.environ:
         return int(os.environ[ENV_PROCESS_ID])
     import jax

@@ -45,7 +45,7 @@ from jaxpar.recovery.tiers import (
 from jaxpar.rundir import ownership, runlog
 from jaxpar.rundir.runlog import WorkerEvent, write_json
 from jaxpar.rundir.writer import Progress, RunDir, TensorBoardWriter, mfu, peak_flops, summarize
-from jaxpar.worker import bootstrap, standby
+from jaxpar.worker import bootstrap, groups, standby
 from jaxpar.worker.faults import Faults, NonFiniteLoss
 from jaxpar.worker.faults import check_processes as check_fault_processes
 from jaxpar.worker.faults import parse_all as parse_faults
@@ -65,6 +65,7 @@ class Session:
     flops_per_step: float | None
     peak: float | None
     tb: TensorBoardWriter | None = None  # log.tensorboard, process 0
+    link: groups.GroupLink | None = None  # a replica group's link to the group hub (--groups)
     eval_compiled: Any = None  # the compiled eval step, once loaded (eval_program)
     lr_path: tuple | None = None  # where the recipe's own optimizer keeps its learning rate
 
@@ -163,12 +164,13 @@ def setup(
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
     check_vocab(cfg, source)
-    spec = data_lib.batch_spec(source, cfg.data.global_batch)
-    program = build_program(cfg, mesh, preset.params, preset.acts, spec, source.kind)
-    run = RunDir(run_dir, jax.process_index(), incarnation, create=False)
+    gcfg = groups.group_cfg(cfg)  # a replica group's share of the batch (else cfg itself)
+    spec = data_lib.batch_spec(source, gcfg.data.global_batch)
+    program = build_program(gcfg, mesh, preset.params, preset.acts, spec, source.kind)
+    run = RunDir(run_dir, groups.run_process_index(), incarnation, create=False)
     kind = jax.devices()[0].device_kind
     s = Session(
-        cfg, preset, mesh, source, program, run, flops_per_step(cfg, source), peak_flops(kind),
+        cfg, preset, mesh, source, program, run, flops_per_step(gcfg, source), peak_flops(kind),
         lr_path=injected_lr_path(program),
     )  # fmt: skip
     if create:
@@ -188,15 +190,21 @@ def open_run_dir(s: Session) -> None:
 
 
 def device_batch(s: Session, step: int, split: str = "train") -> dict:
+    index, count = groups.batch_rows()  # a replica group's rows are its share of the batch
     local = data_lib.host_batch(
         s.source, step=step, global_batch=s.cfg.data.global_batch, seed=s.cfg.data.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(), split=split,
+        process_index=index, process_count=count, split=split,
     )  # fmt: skip
-    return data_lib.to_device(local, s.program.batch_shardings, s.cfg.data.global_batch)
+    return data_lib.to_device(local, s.program.batch_shardings, _batch_size(s))
+
+
+def _batch_size(s: Session) -> int:
+    """Rows of one step's batch on this mesh (a replica group's share of the global batch)."""
+    return s.cfg.data.global_batch // groups.group_count()
 
 
 def _abstract_batch(s: Session) -> dict:
-    spec = data_lib.batch_spec(s.source, s.cfg.data.global_batch)
+    spec = data_lib.batch_spec(s.source, _batch_size(s))
     return {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.program.batch_shardings[k])
         for k, v in spec.items()
@@ -266,13 +274,18 @@ def metrics_line(s: Session, step: int, m: dict, dt: float, state: dict | None =
             line[k] = float(np.mean(v))
     if "lr" not in line and state is not None and s.lr_path is not None:
         line["lr"] = injected_lr(state, s.lr_path)
+    if s.link is not None:  # replica groups: which took part, and the rows they trained
+        line["quorum"] = list(s.link.quorum)
+        rows = b * len(s.link.quorum) / s.link.groups
+        key = "tokens_per_s" if s.source.kind == "lm" else "samples_per_s"
+        line[key] = line[key] * rows / b
     line["time"] = time.time()
     return line
 
 
 # keys of a metrics line that are not metrics of the model
 METRICS_LINE_KEYS = frozenset(
-    ("step", "step_time_s", "tokens_per_s", "samples_per_s", "mfu", "mem_gb", "time")
+    ("step", "step_time_s", "tokens_per_s", "samples_per_s", "mfu", "mem_gb", "time", "quorum")
 )
 
 
@@ -447,7 +460,7 @@ def begin_incarnation(s: Session) -> None:
 
 def faults_and_tiers(s: Session, specs: list) -> tuple[Faults, list[Tier]]:
     """This process's injected faults (`specs`) and the restore tiers, whose commits they hook."""
-    inject = Faults(specs, s.run, jax.process_index())
+    inject = Faults(specs, s.run, groups.run_process_index())  # the job-wide index
     setup = TierSetup(
         s.cfg, s.run, s.mesh, s.program.abstract_state,
         per_replica_params=s.program.sync_step is not None,  # DiLoCo
@@ -477,6 +490,9 @@ def _run_locked(
     last = None
     try:
         state, compiled = restore_and_compile(s, tiers, pool, early)
+        if groups.active():  # the other groups' live state, when they are training already
+            s.link = groups.GroupLink(s.program, s.mesh)
+            state = s.link.join(state)
         arm_faults(inject, tiers)
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
         hooks = _hooks(s, tiers, inject, int(state["step"]), progress)
@@ -492,6 +508,8 @@ def _run_locked(
             t.close(complete=last == cfg.train.steps, failed=failed)
         if s.tb:
             s.tb.close()
+        if s.link is not None:
+            s.link.close(complete=last == cfg.train.steps)
     s.run.event(WorkerEvent.DONE, step=last, complete=last == cfg.train.steps)
     summary = summarize(s.run, time.time() - t_start)
     if s.run.is_writer and not os.environ.get("JAXPAR_SUPERVISED"):
@@ -507,6 +525,8 @@ def restore_and_compile(
     the abstract state, and orbax's reads release the GIL. Then the `compiled` event, the tiers
     ready, and a barrier: the first step's collectives start together. `early`: a standby's
     step, compiled before its "go"."""
+    if groups.active():  # a replica group runs the step in two halves (GroupLink), not this
+        early = (None, 0.0)
     step_program = pool.submit(compile_step, s) if early is None else None
     warm = [pool.submit(t.warm_up) for t in tiers]
     state, _ = restore_newest(tiers, s.program.init)
@@ -543,6 +563,8 @@ def _hooks(
 
     # -- after step (its loss finite): metrics, progress, checkpoint, local tier, evaluation
     def metrics(c: StepContext) -> None:
+        if s.link is not None and not s.link.leads:  # the quorum's lowest group writes
+            return
         s.run.metrics(c.line)
         if s.tb:
             s.tb.write(c.line)
@@ -560,8 +582,15 @@ def _hooks(
     last = cfg.train.steps
     hooks.add("metrics", metrics, due=lambda n: n % cfg.log.every == 0 or n == last)
     hooks.add("progress", show_progress)
+
+    def leads() -> bool:  # replica groups: the quorum's lowest group saves
+        return s.link is None or s.link.leads
+
     for t in reversed(tiers):  # the persistent checkpoint, then the local snapshot, as ever
-        hooks.add(f"tier_{t.name}", lambda c, t=t: t.save(c.step, c.state), due=t.due)
+        hooks.add(
+            f"tier_{t.name}", lambda c, t=t: t.save(c.step, c.state),
+            due=lambda n, t=t: t.due(n) and leads(),
+        )  # fmt: skip
     if cfg.train.eval_every:
         hooks.add("evaluation", evaluation, every=cfg.train.eval_every)
     return hooks
@@ -590,7 +619,11 @@ def _loop(s, persistent: PersistentTier, hooks: Hooks, compiled, state, t_start)
         state = ctx.state
         batch = device_batch(s, step)
         t0 = time.time()
-        state, m = compiled(state, batch)
+        if s.link is not None:  # a replica group: the quorum's average between two halves
+            state, m = s.link.step(state, batch, step)
+            s.run.process_index = groups.run_process_index(leads=s.link.leads)
+        else:
+            state, m = compiled(state, batch)
         if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
             state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
         m = jax.device_get(m)

@@ -1,0 +1,501 @@
+"""`jaxpar launch --groups R`: replica groups whose survivors keep training.
+
+The --nproc processes run as R groups of P = nproc / R, each its own jax.distributed world
+(its own coordinator) with its own mesh. Across groups the training is data parallel: every
+step each process sends its gradient shards to the leader's group hub (`Hub`, a thread of this
+supervisor), which averages process k's shards over the step's quorum and sends the mean back.
+
+Who decides: the hub, in the leader's supervisor. The quorum of step s is every group that is
+alive (the supervisor learns of an exit at once, by pidfd; the hub of a closed connection) and
+has joined at or before s. A step is released only once every process of the quorum has sent
+its shards, and to all of them at once, so every process of a group applies the same quorum.
+A group that dies while a step is pending leaves the quorum and the step is released over the
+rest with the gradients already held: the survivors lose no step. With fewer than --min-groups
+groups in the quorum the hub holds the step until enough groups are back (no group trains
+alone). A failed group alone is stopped and restarted; once ready it asks to join, the hub
+asks the quorum's lowest group for its state after the next step and forwards it, shard to
+shard and checksummed, and the group takes part from that step on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shlex
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from jaxpar.rundir import ownership, runlog
+from jaxpar.rundir.runlog import SupervisorEvent, write_json
+from jaxpar.supervisor.group import LocalGroup
+from jaxpar.supervisor.job import JobState
+from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
+from jaxpar.supervisor.policy import classify_exit, worker_env
+from jaxpar.worker import group_wire
+from jaxpar.worker.group_wire import Wire, WireError
+
+GROUP_FAILURE = "group_failure"
+GROUP_RESTART = "group_restart"
+GROUP_JOINED = "group_joined"
+QUORUM = "quorum_changed"
+
+
+def default_min_groups(groups: int) -> int:
+    """More than half of the groups: two partitions can never both train."""
+    return groups // 2 + 1
+
+
+def check_groups(opts: Options) -> None:
+    """ValueError (one line naming the fix) for --groups / --min-groups the job cannot run."""
+    r = opts.groups
+    if r < 1:
+        raise ValueError(f"--groups {r} must be >= 1")
+    if r == 1:
+        return
+    if opts.nnodes > 1:
+        raise ValueError("--groups runs on one host (--nnodes 1); give --nnodes 1")
+    if opts.nproc % r:
+        raise ValueError(f"--nproc {opts.nproc} is not divisible by --groups {r}; give a multiple")
+    if not 1 <= opts.min_groups <= r:
+        raise ValueError(f"--min-groups {opts.min_groups} must be in [1, --groups {r}]")
+
+
+# ---- the hub: quorum, average, state transfer ----------------------------------------------------
+
+
+class Hub:
+    """The leader's group hub: one listening socket, one reader thread per worker connection."""
+
+    def __init__(self, bind: str, key: bytes, groups: int, per_group: int, min_groups: int,
+                 event, on_drop) -> None:  # fmt: skip
+        self.key, self.groups, self.per_group, self.min_groups = key, groups, per_group, min_groups
+        self.event, self.on_drop = event, on_drop
+        self.cv = threading.Condition()
+        self.wires: dict[tuple[int, int], Wire] = {}
+        self.ready: dict[int, dict[int, int]] = {}  # group -> rank -> step it is ready at
+        self.alive: set[int] = set()  # groups the supervisor runs now
+        self.joined: dict[int, int] = {}  # group -> first step it takes part in
+        self.pending: dict[int, dict[tuple[int, int], tuple[dict, list]]] = {}
+        self.transfers: dict[int, dict] = {}  # joining group -> {"donor", "step", "sent": set}
+        self.started = False  # a step has been released
+        self.next_step: int | None = None  # the first step not released yet
+        self.void: list[int] = []  # joining groups whose donor was lost: to be restarted
+        self.last_quorum: list[int] | None = None
+        self.released = 0
+        self.group_steps_lost = 0
+        self.finished: set[int] = set()
+        self.sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        self.sock.bind((bind, 0))
+        self.sock.listen(64)
+        self.address = join_address(bind, self.sock.getsockname()[1])
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True, name="jaxpar-hub").start()
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        who, wire = None, None
+        try:
+            hello, wire = group_wire.server_handshake(conn, self.key)
+            g, k = int(hello.get("group", -1)), int(hello.get("rank", -1))
+            if not (0 <= g < self.groups and 0 <= k < self.per_group):
+                raise WireError(f"a worker of group {g} rank {k}, outside the job")
+            who = (g, k)
+            with self.cv:
+                if g not in self.alive:
+                    raise WireError(f"group {g} is not running")
+                self.wires[who] = wire
+            while True:
+                header, arrays = wire.recv()
+                with self.cv:
+                    self._handle(who, header, arrays)
+        except (OSError, WireError, ValueError, TypeError, ConnectionError) as e:
+            with self.cv:
+                # a group dropped already (its wires gone, perhaps restarted since) or finished
+                current = who is not None and wire is not None and self.wires.get(who) is wire
+                if not current or who[0] in self.finished:
+                    with contextlib.suppress(OSError):
+                        conn.close()
+                    return
+                self._drop(who[0], f"connection of group {who[0]} process {who[1]} lost ({e})")
+            self.on_drop(who[0])
+
+    def _send(self, who: tuple[int, int], header: dict, arrays: list = ()) -> None:
+        wire = self.wires.get(who)
+        if wire is None:
+            return
+        try:
+            wire.send(header, list(arrays))
+        except OSError:
+            pass  # its reader sees the connection go and drops the group
+
+    # -- messages (under self.cv) ---------------------------------------------------------------
+
+    def _handle(self, who: tuple[int, int], header: dict, arrays: list) -> None:
+        g, k = who
+        kind = header.get("kind")
+        if kind == "ready":
+            self.ready.setdefault(g, {})[k] = int(header.get("step", -1))
+            self._admit(g)
+        elif kind == "average":
+            step = int(header.get("step", -1))
+            if g in self.joined and step >= self.joined[g]:
+                self.pending.setdefault(step, {})[who] = (header, arrays)
+                self._ask_state(who, step)
+                self._release(step)
+        elif kind == "state":
+            self._forward_state(who, header, arrays)
+        elif kind == "bye":
+            self.finished.add(g)
+        else:
+            raise WireError(f"unknown message {str(kind)[:40]}")
+
+    def _admit(self, g: int) -> None:
+        """Group `g` is ready when all its processes are: at the job's start it takes part at
+        once (every group starts from the same state); later it waits for a live group's."""
+        steps = set(self.ready.get(g, {}).values())
+        if len(self.ready.get(g, {})) < self.per_group:
+            return
+        if len(steps) != 1:
+            self._drop(g, f"the processes of group {g} are at different steps {sorted(steps)}")
+            return
+        (step,) = steps
+        if not any(g2 in self.alive for g2 in self.joined):  # every group was lost: start
+            self.started, self.next_step = False, None  # again from the checkpoint they read
+        if not self.started and self.next_step in (None, step):
+            self.next_step = step
+            self.joined[g] = step
+            for k in range(self.per_group):
+                self._send((g, k), {"kind": "start", "step": step})
+            self.event(GROUP_JOINED, group=g, step=step, transfer=False)
+            for s in sorted(self.pending):
+                self._release(s)
+            return
+        # a live group's state at the first step not released yet: the donor (the lowest
+        # group in that step's quorum) sends it while that step waits for this group too
+        q = self._quorum(self.next_step) if self.next_step is not None else []
+        if not q:
+            self._drop(g, f"no live group to give group {g} its state")
+            self.void.append(g)
+            return
+        s = self.next_step
+        self.transfers[g] = {"donor": q[0], "step": s, "asked": set(), "sent": set(),
+                             "t": time.time()}  # fmt: skip
+        self.joined[g] = s
+        for k in range(self.per_group):
+            if (q[0], k) in self.pending.get(s, {}):
+                self._ask_state((q[0], k), s)
+
+    def _ask_state(self, who: tuple[int, int], step: int) -> None:
+        """Ask donor process `who`, waiting for the average of `step`, for its state."""
+        for t in self.transfers.values():
+            if t["donor"] == who[0] and t["step"] == step and who[1] not in t["asked"]:
+                t["asked"].add(who[1])
+                self._send(who, {"kind": "give_state", "step": step})
+                return
+
+    def _quorum(self, step: int) -> list[int]:
+        return sorted(g for g, first in self.joined.items() if first <= step and g in self.alive)
+
+    def _release(self, step: int) -> None:
+        q = self._quorum(step)
+        if not self.started and any(g not in self.joined for g in self.alive):
+            return  # the job's first step waits for every group that is starting
+        if len(q) < self.min_groups:
+            return  # held until enough groups are back: a minority never trains alone
+        got = self.pending.get(step, {})
+        if not all((g, k) in got for g in q for k in range(self.per_group)):
+            return
+        import numpy as np  # only here: the supervisor starts without it
+
+        for k in range(self.per_group):
+            parts = [got[(g, k)][1] for g in q]
+            counts = [got[(g, k)][0].get("counts") for g in q]
+            if any(len(p) != len(parts[0]) for p in parts) or any(c != counts[0] for c in counts):
+                self._drop(q[-1], f"group {q[-1]} sent arrays of another layout")
+                return
+            mean = []
+            for arrays in zip(*parts, strict=True):
+                if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
+                    self._drop(q[-1], f"group {q[-1]} sent arrays of another shape")
+                    return
+                total = np.sum(np.stack(arrays), axis=0, dtype=np.float64) / len(arrays)
+                mean.append(total.astype(arrays[0].dtype))
+            for g in q:
+                self._send((g, k), {"kind": "averaged", "step": step, "quorum": q}, mean)
+        del self.pending[step]
+        self.next_step = step + 1
+        self.started = True
+        self.released += 1
+        self.group_steps_lost += self.groups - len(q)
+        if q != self.last_quorum:
+            self.event(QUORUM, step=step + 1, quorum=q, groups=self.groups)
+            self.last_quorum = q
+        self.cv.notify_all()
+
+    def _forward_state(self, who: tuple[int, int], header: dict, arrays: list) -> None:
+        g, k = who
+        for j, t in list(self.transfers.items()):
+            if t["donor"] != g or k in t["sent"]:
+                continue
+            if int(header.get("step", -1)) != t["step"]:
+                self._drop(j, f"group {g} sent the state of step {header.get('step')}")
+                continue
+            head = {"kind": "state", "step": t["step"], "counts": header.get("counts"),
+                    "checksum": header.get("checksum")}  # fmt: skip
+            self._send((j, k), head, arrays)
+            t["sent"].add(k)
+            if len(t["sent"]) == self.per_group:
+                del self.transfers[j]
+                self.event(GROUP_JOINED, group=j, step=t["step"], transfer=True, donor=g,
+                           seconds=round(time.time() - t["t"], 3))  # fmt: skip
+
+    def _drop(self, g: int, why: str) -> None:
+        """Group `g` is out: its processes are told to stop, the pending steps are released
+        over the rest (the survivors' gradients are held here), a transfer it gave is void."""
+        was_in = g in self.alive
+        self.alive.discard(g)
+        self.joined.pop(g, None)
+        self.ready.pop(g, None)
+        self.transfers.pop(g, None)
+        for k in range(self.per_group):
+            wire = self.wires.pop((g, k), None)
+            if wire is not None:
+                with contextlib.suppress(OSError):
+                    wire.send({"kind": "stop", "why": why})
+                wire.close()
+        for step in self.pending:
+            for k in range(self.per_group):
+                self.pending[step].pop((g, k), None)
+        if was_in:
+            self.event(GROUP_FAILURE, group=g, why=why, source="hub")
+        for j, t in list(self.transfers.items()):
+            if t["donor"] == g:  # a transfer cut short: the joining group starts again
+                self.void.append(j)
+                self._drop(j, f"its donor group {g} was lost during the state transfer")
+        for step in sorted(self.pending):
+            self._release(step)
+
+    # -- the supervisor's side ------------------------------------------------------------------
+
+    def running(self, g: int) -> None:
+        with self.cv:
+            self.alive.add(g)
+            self.finished.discard(g)
+
+    def drop(self, g: int, why: str) -> None:
+        with self.cv:
+            if g in self.alive:
+                self._drop(g, why)
+
+    def take_void_transfers(self) -> list[int]:
+        with self.cv:
+            out, self.void = list(self.void), []
+            return out
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with self.cv:
+            for wire in self.wires.values():
+                wire.close()
+
+
+# ---- the supervisor -------------------------------------------------------------------------------
+
+
+class ReplicaGroup(LocalGroup):
+    """One replica group's workers: process k of the group is jax process k of its own world."""
+
+    def __init__(self, opts: Options, waker, group: int, hub: str, key: bytes):
+        super().__init__(opts, waker)
+        self.group, self.hub, self.key = group, hub, key
+
+    def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
+        env = worker_env(
+            base, coordinator=spec["coordinator"], bind=spec["bind"], nproc=spec["nproc"],
+            process_id=local_rank, local_rank=pid, devices_per_proc=self.opts.devices_per_proc,
+            run_dir=self.opts.run_dir, incarnation=spec["incarnation"],
+            faults=spec.get("faults", self.opts.faults),
+            heartbeat_timeout=spec["collective_timeout"],
+            collective_timeout=spec["collective_timeout"], run_lock=spec.get("run_lock"),
+        )  # fmt: skip
+        env.update({
+            group_wire.ENV_GROUP: str(self.group), group_wire.ENV_GROUPS: str(self.opts.groups),
+            group_wire.ENV_GLOBAL_PROCESS: str(pid), group_wire.ENV_HUB: self.hub,
+            group_wire.ENV_KEY: self.key.hex(),
+        })  # fmt: skip
+        return env
+
+
+class ReplicaSupervisor(JobState):
+    """Runs R replica groups: a failed group is restarted alone while the others train."""
+
+    def __init__(self, opts: Options):
+        super().__init__(opts)
+        self.per_group = opts.nproc // opts.groups
+        self.hub: Hub | None = None
+        self.groups: list[ReplicaGroup] = []
+        self.done: set[int] = set()
+        self.group_restarts = 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_request = signum
+        self.waker.poke()
+
+    def run(self) -> int:
+        t0 = time.time()
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.lock = ownership.acquire(self.run_dir, "jaxpar launch")
+        except ValueError as e:
+            say(f"error: {e}")
+            return 2
+        except OSError as e:
+            say(f"error: cannot write the run directory {self.run_dir}: {e.strerror or e}")
+            return 2
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        status, code = "failed", 1
+        key = secrets.token_bytes(32)  # this job's group key: the workers' and the hub's only
+        try:
+            self.hub = Hub(self.opts.bind, key, self.opts.groups, self.per_group,
+                           self.opts.min_groups, self.event, lambda g: self.waker.poke())  # fmt: skip
+            self.slots = [(0, i) for i in range(self.opts.nproc)]
+            self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
+                                   if e.get("event") == runlog.WorkerEvent.START)  # fmt: skip
+            self.event(SupervisorEvent.LAUNCH, nproc=self.opts.nproc, nnodes=1,
+                       devices_per_proc=self.opts.devices_per_proc,
+                       max_restarts=self.opts.max_restarts, groups=self.opts.groups,
+                       min_groups=self.opts.min_groups, command=shlex.join(self.opts.command),
+                       pid=os.getpid())  # fmt: skip
+            opts = Options(**{**vars(self.opts), "spares": False, "standby": False})
+            self.groups = [ReplicaGroup(opts, self.waker, g, self.hub.address, key)
+                           for g in range(self.opts.groups)]  # fmt: skip
+            for g in range(self.opts.groups):
+                self._start(g)
+            say(f"{self.opts.groups} replica groups of {self.per_group} process(es) started, "
+                f"group hub {self.hub.address}")  # fmt: skip
+            status, code = self._loop()
+        except (RuntimeError, OSError) as e:
+            say(f"error: {e}")
+        finally:
+            for grp in self.groups:
+                grp.kill_all()
+            if self.hub is not None:
+                self.hub.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            self._summary(time.time() - t0, status)
+            self.lock.release()
+        return code
+
+    def _start(self, g: int) -> None:
+        port = free_port(self.opts.bind)
+        ids = list(range(g * self.per_group, (g + 1) * self.per_group))
+        spec = {"incarnation": self.incarnation, "coordinator": join_address("127.0.0.1", port),
+                "bind": join_address(self.opts.bind, port), "nproc": self.per_group,
+                "process_ids": ids, "attempt": self.group_restarts, "faults": self.opts.faults,
+                "collective_timeout": self.opts.collective_timeout or 600.0,
+                "run_lock": self.lock.token}  # fmt: skip
+        assert self.hub is not None
+        self.hub.running(g)
+        self.groups[g].start(spec)
+        self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
+                   process_ids=ids, coordinator=spec["coordinator"], path="cold",
+                   pids=[self.groups[g].procs[p].pid for p in ids])  # fmt: skip
+
+    def _loop(self) -> tuple[str, int]:
+        assert self.hub is not None
+        while True:
+            if self.stop_request is not None:
+                say("interrupted: stopping the replica groups")
+                return "interrupted", 130 if self.stop_request == signal.SIGINT else 1
+            failed: dict[int, str] = {}
+            for g, grp in enumerate(self.groups):
+                for pid, rc in grp.poll():
+                    if rc == 0:
+                        continue
+                    failed.setdefault(g, f"process {pid} exited: {classify_exit(rc)} (code {rc})")
+                if g not in failed and g not in self.done and grp.procs and not grp.alive():
+                    if all(p.returncode == 0 for p in grp.procs.values()):
+                        self.done.add(g)
+            for g in self.hub.take_void_transfers():
+                failed.setdefault(g, "the state transfer to it was cut short")
+            with self.hub.cv:
+                lost = [g for g in range(len(self.groups))
+                        if g not in self.hub.alive and g not in self.done]  # fmt: skip
+            for g in lost:
+                failed.setdefault(g, "its connection to the group hub was lost")
+            for g, why in sorted(failed.items()):
+                out = self._fail(g, why)
+                if out is not None:
+                    return out
+            if len(self.done) == len(self.groups):
+                return "completed", 0
+            if self.done and not any(g in self.hub.alive for g in range(len(self.groups))
+                                     if g not in self.done):  # fmt: skip
+                return "completed", 0
+            self.waker.wait(0.25)
+
+    def _fail(self, g: int, why: str) -> tuple[str, int] | None:
+        """Group `g` failed: out of the quorum at once, its other processes stopped, restarted."""
+        assert self.hub is not None
+        self.hub.drop(g, why)
+        self.groups[g].stop(0.0)
+        self.event(GROUP_FAILURE, group=g, why=why, source="supervisor")
+        say(f"group {g} failed ({why}); the other groups keep training")
+        if self.group_restarts >= self.opts.max_restarts:
+            reason = f"restart budget spent ({self.group_restarts} of --max-restarts " \
+                     f"{self.opts.max_restarts})"  # fmt: skip
+            self.event(SupervisorEvent.GAVE_UP, reason=reason)
+            say(f"giving up: {reason}. Checkpoints in {self.run_dir}/checkpoints are intact.")
+            return "gave_up", 1
+        self.group_restarts += 1
+        self.restarts += 1
+        self.counted += 1
+        self.incarnation += 1
+        self.event(GROUP_RESTART, group=g, attempt=self.group_restarts, reason=why)
+        self._start(g)
+        return None
+
+    def _summary(self, wall_s: float, status: str) -> None:
+        from jaxpar.rundir import goodput  # numpy: only at the end
+
+        try:
+            summary = goodput.summarize_run(
+                self.run_dir, wall_s, self.restarts, status, counted_restarts=self.counted,
+                nproc=self.opts.nproc,
+            )  # fmt: skip
+            hub = self.hub
+            summary["groups"] = {
+                "groups": self.opts.groups, "min_groups": self.opts.min_groups,
+                "group_restarts": self.group_restarts,
+                "steps_released": hub.released if hub else 0,
+                "group_steps_lost": hub.group_steps_lost if hub else 0,
+            }  # fmt: skip
+            write_json(os.path.join(self.run_dir, runlog.SUMMARY), summary)
+        except OSError as e:
+            cannot_write(os.path.join(self.run_dir, runlog.SUMMARY), e)
+            return
+        say(goodput.format_summary(summary))
+
+
+def run_groups(opts: Options) -> int:
+    return ReplicaSupervisor(opts).run()
+
+
+__all__: list[Any] = ["Hub", "ReplicaSupervisor", "check_groups", "default_min_groups"]

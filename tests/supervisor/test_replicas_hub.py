@@ -1,0 +1,116 @@
+"""The replica groups' hub and wire without jax: real sockets on 127.0.0.1, workers played by
+threads of this test (jaxpar/supervisor/replicas.py, jaxpar/worker/group_wire.py)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from jaxpar.supervisor.replicas import Hub
+from jaxpar.worker import group_wire
+from jaxpar.worker.group_wire import Wire, WireError
+
+KEY = b"k" * 32
+
+
+def _hub(groups: int, min_groups: int, per_group: int = 1) -> tuple[Hub, list]:
+    events: list = []
+    hub = Hub("127.0.0.1", KEY, groups, per_group, min_groups,
+              lambda name, **f: events.append({"event": name, **f}), lambda g: None)  # fmt: skip
+    for g in range(groups):
+        hub.running(g)
+    return hub, events
+
+
+def _connect(hub: Hub, group: int, rank: int = 0, key: bytes = KEY) -> Wire:
+    host, port = hub.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.settimeout(10)
+    wire = group_wire.client_handshake(sock, key, {"group": group, "rank": rank})
+    sock.settimeout(10)
+    return wire
+
+
+def _average(wire: Wire, step: int, *arrays) -> None:
+    wire.send({"kind": "average", "step": step, "counts": [len(arrays)]}, list(arrays))
+
+
+def test_wire_round_trip_and_tampering_refused():
+    a, b = socket.socketpair()
+    left, right = Wire(a, KEY, hub=False), Wire(b, KEY, hub=True)
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float32(2.5), np.zeros(0, np.int32)]
+    left.send({"kind": "x"}, arrays)
+    header, got = right.recv()
+    assert header["kind"] == "x" and [g.shape for g in got] == [(2, 3), (), (0,)]
+    assert all(np.array_equal(x, y) for x, y in zip(arrays, got, strict=True))
+    assert group_wire.checksum(got) == group_wire.checksum(arrays)
+    # a frame under another key fails authentication; a header naming a pickle-able dtype or a
+    # huge size is refused before any payload is read
+    Wire(a, b"x" * 32, hub=False).send({"kind": "y"}, [np.ones(2, np.float32)])
+    with pytest.raises(WireError, match="authentication"):
+        right.recv()
+    head = b'{"arrays": [["object", [1]]]}'
+    a.sendall(struct.pack("!I", len(head)) + head)
+    with pytest.raises(WireError, match="bad array spec"):
+        Wire(b, KEY, hub=True).recv()
+    head = b'{"arrays": [["float32", [1099511627775, 1099511627775]]]}'
+    a.sendall(struct.pack("!I", len(head)) + head)
+    with pytest.raises(WireError, match="larger than"):
+        Wire(b, KEY, hub=True).recv()
+    a.close()
+    b.close()
+
+
+def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
+    """Two groups average step 0; group 0 dies while step 1 waits for it: step 1 is released
+    over group 1 alone with its own gradients (min 1). With min 2 the next step is held until
+    group 0, restarted, has received group 1's state (checksummed) and sent its own gradients."""
+    hub, events = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for w in (w0, w1):
+            w.send({"kind": "ready", "step": 0})
+        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        _average(w0, 0, np.array([1.0, 2.0], np.float32))
+        _average(w1, 0, np.array([3.0, 6.0], np.float32))
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [0, 1] and header["step"] == 0
+            assert mean.tolist() == [2.0, 4.0]
+        # group 1 waits in step 1's average; group 0 dies before sending its own
+        _average(w1, 1, np.array([5.0, 5.0], np.float32))
+        w0.close()
+        header, (mean,) = w1.recv()
+        assert header["quorum"] == [1] and mean.tolist() == [5.0, 5.0]
+        assert hub.group_steps_lost == 1
+        # from now on a quorum needs both groups: group 1's step 2 is held ...
+        hub.min_groups = 2
+        hub.running(0)
+        _average(w1, 2, np.array([7.0, 7.0], np.float32))
+        w0 = _connect(hub, 0)
+        w0.send({"kind": "ready", "step": 0})
+        # ... group 1 is asked for its state at step 2, which the hub forwards to group 0
+        ask, _ = w1.recv()
+        assert ask == {"kind": "give_state", "step": 2, "arrays": []}
+        state = [np.array([9.0, 8.0], np.float32), np.array(2, np.int32)]
+        w1.send({"kind": "state", "step": 2, "counts": [2],
+                 "checksum": group_wire.checksum(state)}, state)  # fmt: skip
+        header, got = w0.recv()
+        assert header["kind"] == "state" and header["step"] == 2
+        assert group_wire.checksum(got) == header["checksum"] == group_wire.checksum(state)
+        _average(w0, 2, np.array([1.0, 1.0], np.float32))
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [0, 1] and mean.tolist() == [4.0, 4.0]
+        joined = [e for e in events if e["event"] == "group_joined"]
+        assert [e["transfer"] for e in joined] == [False, False, True]
+        quorums = [e["quorum"] for e in events if e["event"] == "quorum_changed"]
+        assert quorums == [[0, 1], [1], [0, 1]]
+        # a worker without the job's key gets nothing
+        with pytest.raises((WireError, OSError)):
+            _connect(hub, 1, key=b"z" * 32)
+    finally:
+        hub.close()

@@ -14,15 +14,24 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.engine.model import apply
+from jaxpar.engine.model import apply, apply_aux
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 
+# Metrics that are vectors, not scalars: the tokens routed to each expert, as fractions.
+VECTOR_METRICS = ("moe_expert_load",)
+
 
 def causal_lm(model, batch: dict, rngs) -> tuple[jax.Array, dict]:
-    logits_BTV = apply(model, batch["inputs"], rngs).astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    return loss.mean(), {}
+    """Mean next-token cross entropy, plus a model's auxiliary losses (`aux_forward`: a mixture
+    of experts' load-balancing and router z-losses), whose metrics it reports."""
+    logits_BTV, aux = apply_aux(model, batch["inputs"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), batch["targets"]
+    )
+    if not aux:
+        return loss.mean(), {}
+    return loss.mean() + aux["loss"], dict(aux.get("metrics", {}))
 
 
 def classification(model, batch: dict, rngs) -> tuple[jax.Array, dict]:
@@ -61,7 +70,11 @@ def check_output(out, where: str) -> tuple[jax.Array, dict]:
     loss, metrics = out
     if jnp.shape(loss) != ():
         raise ValueError(f"{where} returned a loss of shape {jnp.shape(loss)}; it must be a scalar")
-    bad = {k: jnp.shape(v) for k, v in metrics.items() if jnp.shape(v) != ()}
+    bad = {
+        k: jnp.shape(v)
+        for k, v in metrics.items()
+        if jnp.shape(v) != () and not (k in VECTOR_METRICS and jnp.ndim(v) == 1)
+    }
     if bad:
         raise ValueError(f"{where} returned non-scalar metrics {bad}; average them to scalars")
     return jnp.asarray(loss, jnp.float32), {

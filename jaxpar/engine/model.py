@@ -124,3 +124,19 @@ def apply(model: Any, inputs: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
     if takes_key(model):
         return model(inputs, None if rngs is None else rngs.default.key[...])
     return model(inputs)
+
+
+def apply_aux(model: Any, inputs: jax.Array, rngs: nnx.Rngs | None) -> tuple[jax.Array, dict]:
+    """(outputs, aux) of a model with auxiliary losses (an `aux_forward(inputs, key)` method
+    returning (outputs, {"loss": scalar, "metrics": {name: value}}), e.g. a mixture of experts);
+    (outputs, {}) for any other model."""
+    forward = getattr(model, "aux_forward", None)
+    if forward is None:
+        return apply(model, inputs, rngs), {}
+    out, aux = forward(inputs, None if rngs is None else rngs.default.key[...])
+    if not (isinstance(aux, dict) and "loss" in aux and isinstance(aux.get("metrics", {}), dict)):
+        raise ValueError(
+            f"{type(model).__name__}.aux_forward returned aux {type(aux).__name__}; it returns "
+            f'(outputs, {{"loss": scalar, "metrics": {{...}}}}) (jaxpar docs model_contract)'
+        )
+    return out, aux

@@ -10,6 +10,7 @@ import dataclasses
 from jaxpar.config import DataConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainLoopConfig
 from jaxpar.models.cnn import CNNConfig
 from jaxpar.models.gpt import GPTConfig
+from jaxpar.models.gpt_moe import GPTMoEConfig
 from jaxpar.models.mlp import MLPConfig
 
 
@@ -18,6 +19,22 @@ def gpt_tiny() -> TrainConfig:
     return TrainConfig(
         name="gpt_tiny",
         model=GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4, d_mlp=512),
+        data=DataConfig(source="stdlib_text", global_batch=32, seq_len=64),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20),
+        train=TrainLoopConfig(steps=200, eval_every=100, eval_batches=2),
+    )
+
+
+def gpt_moe() -> TrainConfig:
+    """gpt_tiny with a mixture of 8 experts (top-2, d_mlp 256 each) on every layer: 2.4M
+    parameters, of which each token uses as many as gpt_tiny's. `--mesh dp2_ep4` splits the
+    experts 4 ways (all-to-all over `expert`)."""
+    return TrainConfig(
+        name="gpt_moe",
+        model=GPTMoEConfig(
+            vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4, d_mlp=256,
+            n_experts=8, top_k=2, capacity_factor=1.25,
+        ),  # fmt: skip
         data=DataConfig(source="stdlib_text", global_batch=32, seq_len=64),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
         train=TrainLoopConfig(steps=200, eval_every=100, eval_batches=2),
@@ -99,5 +116,6 @@ def digits_cnn() -> TrainConfig:
 
 
 RECIPES = {
-    f.__name__: f for f in (gpt_tiny, gpt_small, gpt_small_bf16, gpt_350m, digits_mlp, digits_cnn)
+    f.__name__: f
+    for f in (gpt_tiny, gpt_moe, gpt_small, gpt_small_bf16, gpt_350m, digits_mlp, digits_cnn)
 }

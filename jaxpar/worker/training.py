@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from jaxpar import contract
 from jaxpar.config import TrainConfig, config_hash, to_dict, validate, warnings_for
 from jaxpar.data import sources as data_lib
+from jaxpar.engine.losses import VECTOR_METRICS
 from jaxpar.engine.mesh import MeshSpec, make_mesh
 from jaxpar.engine.rules import Preset, validate_rules
 from jaxpar.parallel.program import Program, build_program
@@ -236,7 +237,8 @@ def evaluate(s: Session, state: dict, step: int) -> dict:
     for i in range(s.cfg.train.eval_batches):
         batch = device_batch(s, i, split="eval")
         for k, v in jax.device_get(program(state, batch)).items():
-            values.setdefault(k, []).append(float(np.mean(v)))
+            if k not in VECTOR_METRICS:  # per-expert loads are reported by training steps
+                values.setdefault(k, []).append(float(np.mean(v)))
     order = sorted(values, key=lambda k: k != "loss")  # eval_loss first
     line = {"step": step, **{f"eval_{k}": float(np.mean(values[k])) for k in order}}
     line["time"] = time.time()
@@ -253,7 +255,7 @@ def loss_metrics(line: dict, prefix: str = "") -> dict:
     """The loss function's own metrics (e.g. accuracy) of a metrics line, for display."""
     skip = {f"{prefix}{k}" for k in ENGINE_METRICS}
     return {k: v for k, v in line.items() if k.startswith(prefix) and k not in skip
-            and k not in METRICS_LINE_KEYS}  # fmt: skip
+            and k not in METRICS_LINE_KEYS and not isinstance(v, list)}  # fmt: skip
 
 
 def metrics_line(s: Session, step: int, m: dict, dt: float, state: dict | None = None) -> dict:
@@ -271,7 +273,7 @@ def metrics_line(s: Session, step: int, m: dict, dt: float, state: dict | None =
     line["mem_gb"] = stats["bytes_in_use"] / 1e9 if stats and "bytes_in_use" in stats else None
     for k, v in m.items():  # lr, grad_norm and every metric the loss returns (e.g. accuracy)
         if k != "loss":
-            line[k] = float(np.mean(v))
+            line[k] = metric_value(k, v)
     if "lr" not in line and state is not None and s.lr_path is not None:
         line["lr"] = injected_lr(state, s.lr_path)
     if s.link is not None:  # replica groups: which took part, and the rows they trained
@@ -281,6 +283,15 @@ def metrics_line(s: Session, step: int, m: dict, dt: float, state: dict | None =
         line[key] = line[key] * rows / b
     line["time"] = time.time()
     return line
+
+
+def metric_value(key: str, v) -> float | list[float]:
+    """A metric for the metrics line: a float (the mean over any per-replica dimension), or for
+    a vector metric (losses.VECTOR_METRICS, e.g. moe_expert_load) a list over its last axis."""
+    if key in VECTOR_METRICS and np.ndim(v) >= 1:
+        a = np.asarray(v, dtype=np.float64)
+        return [float(x) for x in a.reshape(-1, a.shape[-1]).mean(0)]
+    return float(np.mean(v))
 
 
 # keys of a metrics line that are not metrics of the model

@@ -1,0 +1,108 @@
+"""Mixture of experts (jaxpar/engine/experts.py): routing with a capacity, the expert-parallel
+path (all-to-all over `expert`) against the dense reference, and bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.engine import experts
+from jaxpar.engine.mesh import make_mesh
+from jaxpar.engine.rules import ACT_RULES, activation_rules
+
+
+def test_route_counts_drops_and_keeps_first_choices_first():
+    # One row of 4 tokens, 2 experts, top-1, capacity 2: tokens 0, 1, 2 pick expert 0.
+    logits = jnp.array([[[2.0, 0.0], [3.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    dispatch, combine, stats = experts.route(logits, top_k=1, cap=2)
+    assert dispatch.shape == (1, 4, 2, 2)
+    np.testing.assert_array_equal(dispatch[0, :, 0].sum(-1), [1, 1, 0, 0])  # token 2 dropped
+    np.testing.assert_array_equal(dispatch[0, :, 1].sum(-1), [0, 0, 0, 1])
+    assert float(stats["dropped"]) == pytest.approx(0.25)
+    np.testing.assert_allclose(stats["load"], [0.75, 0.25])
+    probs = jax.nn.softmax(logits, -1)
+    np.testing.assert_allclose(combine[0, 0, 0, 0], probs[0, 0, 0], rtol=1e-6)
+    assert float(stats["z"]) > 0 and float(stats["aux"]) > 1.0  # unbalanced: above 1
+    # Top-2: every token's first choice is placed before any second choice; gates sum to 1.
+    dispatch, combine, stats = experts.route(logits, top_k=2, cap=4)
+    assert float(stats["dropped"]) == 0.0
+    np.testing.assert_allclose(combine.sum((-1, -2)), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(stats["load"], [0.5, 0.5])
+    assert experts.capacity(64, 8, 2, 1.25) == 20 and experts.capacity(4, 8, 1, 0.1) == 1
+
+
+def _weights(key, d=16, f=32, e=8):
+    ks = jax.random.split(key, 6)
+    return (
+        jax.random.normal(ks[0], (d, e)),
+        jax.random.normal(ks[1], (e, d, f)) * 0.2,
+        jax.random.normal(ks[2], (e, f)) * 0.1,
+        jax.random.normal(ks[3], (e, f, d)) * 0.2,
+        jax.random.normal(ks[4], (e, d)) * 0.1,
+        jax.random.normal(ks[5], (8, 12, d)),
+    )
+
+
+def _run(mesh_text: str, dense: bool, capacity_factor: float):
+    """Loss, gradients and compiled text of a small MoE layer on a mesh."""
+    mesh = make_mesh(mesh_text)
+    *w, x = _weights(jax.random.key(0))
+
+    def loss(w, x):
+        with activation_rules(mesh, ACT_RULES):
+            y, stats = experts.moe_ffn(x, *w, top_k=2, capacity_factor=capacity_factor, dense=dense)
+        return jnp.mean(y**2) + 0.01 * stats["aux"] + 0.001 * stats["z"], stats
+
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
+    spec = [PartitionSpec(), PartitionSpec("expert"), PartitionSpec("expert"),
+            PartitionSpec("expert"), PartitionSpec("expert")]  # fmt: skip
+    w = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(w, spec, strict=True)]
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    args = (w, jax.device_put(x, rows))
+    (value, stats), grads = fn(*args)
+    return value, stats, grads, fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("mesh_text", ["data=2,expert=4", "data=1,fsdp=2,tensor=2,expert=2"])
+def test_expert_parallel_equals_dense(mesh_text):
+    """The all-to-all path computes what the dense path computes, drops included (routing is
+    per sequence), with and without fsdp and tensor in the mesh; gradients too."""
+    for cf in (4.0, 0.5):  # no token dropped; many dropped
+        value, stats, grads, text = _run(mesh_text, dense=False, capacity_factor=cf)
+        ref, ref_stats, ref_grads, ref_text = _run("data=8", dense=True, capacity_factor=cf)
+        assert "all-to-all" in text and "all-to-all" not in ref_text
+        assert (float(stats["dropped"]) > 0.1) == (cf < 1)
+        np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-6)
+        for k in ("aux", "z", "dropped", "load"):
+            np.testing.assert_allclose(stats[k], ref_stats[k], rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_router_settings_name_the_fix():
+    with pytest.raises(ValueError, match=r"model.top_k=3.*use 1 or 2"):
+        experts.check_config(8, 3, 1.0)
+    with pytest.raises(ValueError, match=r"top_k=2 is more than model.n_experts=1"):
+        experts.check_config(1, 2, 1.0)
+    for cf in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"capacity_factor=.*must be > 0"):
+            experts.check_config(8, 2, cf)
+
+
+def test_expert_axis_must_split_the_models_experts():
+    from jaxpar.engine import model as model_lib
+    from jaxpar.models.gpt import GPTConfig
+    from jaxpar.models.gpt_moe import GPTMoEConfig
+
+    small = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_mlp=32)
+    dense = model_lib.abstract(GPTConfig(**small), 0).params
+    with pytest.raises(ValueError, match=r"expert=4 but the model has no experts.*expert=1"):
+        experts.check_mesh(dense, {"data": 2, "expert": 4})
+    experts.check_mesh(dense, {"data": 8, "expert": 1})
+    moe = model_lib.abstract(GPTMoEConfig(**small, n_experts=6), 0).params
+    with pytest.raises(ValueError, match=r"n_experts=6 is not divisible by the expert mesh axis"):
+        experts.check_mesh(moe, {"data": 2, "expert": 4})
+    experts.check_mesh(moe, {"data": 4, "expert": 2})

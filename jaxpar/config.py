@@ -92,9 +92,9 @@ class RunConfig:
 class PipelineConfig:
     """Pipeline schedule over the `pipeline` mesh axis (used only when that axis is > 1)."""
 
-    schedule: str = "gpipe"  # gpipe | circular
-    microbatches: int = 4  # m: microbatches in flight per step
-    repeats: int = 1  # v: layer groups per stage (circular only)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zero_bubble
+    microbatches: int = 4  # m: microbatches per step
+    repeats: int = 1  # v: layer groups per stage (circular and interleaved_1f1b)
 
 
 @dataclass(frozen=True)
@@ -385,7 +385,7 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
     "ckpt.keep": AT_LEAST_1,
     "ckpt.local_every": Range(-1),  # -1: by state size, 0: off
     "run.max_wall_s": NON_NEGATIVE,
-    "pipeline.schedule": ("gpipe", "circular"),
+    "pipeline.schedule": ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"),
     "pipeline.microbatches": AT_LEAST_1,
     "pipeline.repeats": AT_LEAST_1,
     "comm.compress": ("none", "bf16", "int8"),

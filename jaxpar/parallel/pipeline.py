@@ -1,7 +1,8 @@
-"""Pipeline parallelism over the `pipeline` mesh axis: GPipe and circular schedules.
+"""Pipeline parallelism over the `pipeline` mesh axis: one engine runs every schedule.
 
     python -m train --recipe gpt_tiny --mesh dp2_pp4 --set pipeline.microbatches=8
-    python -m train --recipe gpt_tiny --mesh dp4_pp2 --set pipeline.schedule=circular \\
+    python -m train --recipe gpt_tiny --mesh dp2_pp4 --set pipeline.schedule=1f1b
+    python -m train --recipe gpt_tiny --mesh dp4_pp2 --set pipeline.schedule=interleaved_1f1b \\
         --set pipeline.repeats=2
     jaxpar inspect --recipe gpt_tiny --mesh dp2_pp4     (stages, bytes, FLOPs, ticks, bubble)
 
@@ -11,44 +12,40 @@ parameters all carry a leading `layers` dimension (one layer's slice of its stat
 graphdef, is a block called as `block(x_BTD, key)`); `head(x_BTD) -> logits_BTV`, applied position
 by position. The model names no mesh axis; the `layers` rule shards the stack over `pipeline`.
 
-Where each part runs. The blocks are split into p stages of contiguous layers (GPipe) or into
-p·v groups dealt round the stages (circular). The embedding and the head are replicated over the
-stages, like data parallelism. The embedding runs before the pipeline, automatically sharded (a
-gather: cheap, and XLA CPU cannot partition it inside a shard_map whose fsdp and tensor axes are
-both automatic); stage 0 feeds it in, and its gradient comes back out of the pipeline. The last
-stage's outputs are reduce-scattered over `pipeline` along the sequence, so every stage runs the
-head and the loss on T/p positions. The head is the heaviest single matmul of a large-vocabulary
-model; split this way it loads all stages equally, so no stage needs fewer layers and the layer
-split stays even (uneven splits are not supported: the stacked `layers` dimension is sharded
-evenly over `pipeline`). The price: every stage holds the embedding and head (still sharded over
-fsdp/tensor), and their gradients are all-reduced over (data, pipeline) once per step.
+Schedules (jaxpar.parallel.schedules): `gpipe`, `circular`, `1f1b`, `interleaved_1f1b`,
+`zero_bubble` (ZB-H1). Each is a table of (tick, stage) -> work item: the forward (F) of a
+microbatch through one of the stage's layer groups, its input-gradient backward (B), its
+weight-gradient backward (W), or idle. The p·v layer groups are dealt round the stages (group
+g = c·p + s is chunk c of stage s; v = pipeline.repeats, 1 but for circular and interleaved).
 
-Schedules (one tick loop serves both). Stage s at tick t works on slot t − s = r·P + i: repeat r,
-microbatch i, period P = m for GPipe (v = 1) and max(m, p) for circular, so a microbatch leaving
-the last stage is back at stage 0 in time. Every tick each stage applies its layer group to its
-slot and `ppermute`s the result one stage on (round the ring for circular, where stage 0 parks
-returning activations until their next repeat). Invalid slots (the bubble) compute on stale data
-whose results are discarded. Reverse-mode autodiff of the tick loop runs the backward ticks in
-reverse with the inverse permutes: all forwards, then all backwards (GPipe).
+The executor is one `lax.scan` over the table's ticks inside one `shard_map`: each tick every
+stage `lax.switch`es on its table entry, then `ppermute`s its forward output one stage on and its
+input gradient one stage back. The backward is written per microbatch, not taken by autodiff of
+the loop: F runs `jax.vjp` of the group and stores the pullback's residuals; B and W call the
+pullback from them (B keeps the input gradient, W the weight gradient, which it adds up).
+Residuals, received activations and received gradients live in buffers of `slots` entries per
+layer group, indexed by microbatch mod slots, where `slots` (from the table) is the most
+microbatches ever live at once: m for gpipe and circular, p for 1f1b and zero_bubble, whatever m
+is. That bound is the point of 1F1B: activation memory no longer grows with m, the number that
+shrinks the bubble.
 
-    ticks  = (v − 1)·P + m + p − 1          GPipe: m + p − 1
-    bubble = 1 − m·v / ticks                GPipe: (p − 1)/(m + p − 1); circular, m ≥ p:
-                                            (p − 1)/(v·m + p − 1), one tick being 1/v as long.
+Stage 0's F embeds its microbatch and its B takes the gradient into the embedding; the last
+stage's F runs the head and the loss (its gradient is the B's input). Their gradients, and the
+loss, are summed over the stages and data replicas once per step, after the loop.
 
 Collectives. The step is one `shard_map` manual over `pipeline` and `data` (tensor and fsdp stay
-automatic), so gradients are reduced once per step, not once per tick. XLA CPU aborts the
-process partitioning a gather inside a shard_map whose fsdp and tensor axes are both automatic
-(spmd_partitioner_util "Check failed"); so the embedding runs outside the shard_map and the loss
-takes its targets with a one-hot product. A model whose blocks or head gather would meet that
-abort with fsdp > 1 and tensor > 1 on CPU.
+automatic), so gradients are reduced once per step, not once per tick. The loss takes its targets
+with a one-hot product (XLA CPU aborts partitioning a gather inside a shard_map whose fsdp and
+tensor axes are both automatic).
 
 Dropout keys fold in the microbatch and the layer index: deterministic in (seed, step), but
 not the same random bits as the unpipelined model (whose parity tests run without dropout).
 
-Layouts. The train state and checkpoints keep the canonical layer-major order [L, ...]. GPipe's
-stage s holds layers [s·L/p, (s+1)·L/p), which is exactly its shard, so nothing moves. Circular's
-stage s needs groups s, s+p, ...: the step reorders the block weights to stage-major [p, v, k, ...]
-on entry and the gradients back on exit (XLA moves the block bytes over `pipeline` twice a step).
+Layouts. The train state and checkpoints keep the canonical layer-major order [L, ...], so a
+checkpoint moves between schedules and stage counts. GPipe/1F1B/ZB's stage s holds layers
+[s·L/p, (s+1)·L/p), which is exactly its shard, so nothing moves. With v > 1 stage s needs groups
+s, s+p, ...: the step reorders the block weights to stage-major [p, v, k, ...] on entry and the
+gradients back on exit (XLA moves the block bytes over `pipeline` twice a step).
 """
 
 from __future__ import annotations
@@ -60,6 +57,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
@@ -67,9 +65,10 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxpar.config import PipelineConfig, TrainConfig
 from jaxpar.engine.mesh import DATA, batch_parallel_size
 from jaxpar.engine.rules import activation_rules
-from jaxpar.parallel.base import Context, Strategy, join_microbatches, merge, split_microbatches
+from jaxpar.parallel import schedules
+from jaxpar.parallel.base import Context, Strategy, merge, split_microbatches
+from jaxpar.parallel.schedules import SCHEDULES
 
-SCHEDULES = ("gpipe", "circular")
 AXIS = "pipeline"
 
 
@@ -89,23 +88,21 @@ class Schedule:
     repeats: int = 1
 
     @property
-    def period(self) -> int:
-        """Ticks between a microbatch's visits to stage 0 (circular); m for GPipe."""
-        m, p = self.microbatches, self.stages
-        return max(m, p) if self.repeats > 1 else m
+    def table(self) -> schedules.Table:
+        return schedules.table(self.kind, self.stages, self.microbatches, self.repeats)
 
     @property
     def ticks(self) -> int:
-        """Length of the tick loop: (v − 1)·P + m + p − 1 (GPipe: m + p − 1)."""
-        return (self.repeats - 1) * self.period + self.microbatches + self.stages - 1
+        """Length of the tick loop: the table's ticks (F, B and W one tick each)."""
+        return self.table.ticks
 
     @property
     def bubble(self) -> float:
-        """Predicted idle fraction of each stage: 1 − m·v / ticks."""
-        return 1.0 - self.microbatches * self.repeats / self.ticks
+        """The table's idle fraction."""
+        return self.table.bubble
 
     def group_size(self, num_layers: int) -> int:
-        """k: layers a stage applies per tick."""
+        """k: layers a stage applies per work item."""
         return num_layers // (self.stages * self.repeats)
 
     def stage_of(self, layer: int, num_layers: int) -> int:
@@ -115,26 +112,33 @@ class Schedule:
 
 def make_schedule(cfg: PipelineConfig, stages: int, num_layers: int) -> Schedule:
     """Validated schedule for `stages` pipeline stages; ValueError names the fix."""
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"pipeline.schedule={cfg.schedule!r}: use one of {SCHEDULES}")
-    if cfg.microbatches < 1 or cfg.repeats < 1:
+    kind, m, v = cfg.schedule, cfg.microbatches, cfg.repeats
+    if kind not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule={kind!r}: use one of {', '.join(SCHEDULES)}")
+    if m < 1 or v < 1:
+        raise ValueError(f"pipeline.microbatches={m}, pipeline.repeats={v}: both must be >= 1")
+    if kind not in schedules.MULTI_GROUP and v != 1:
         raise ValueError(
-            f"pipeline.microbatches={cfg.microbatches}, pipeline.repeats={cfg.repeats}: both "
-            f"must be >= 1"
+            f"pipeline.repeats={v} needs --set pipeline.schedule=circular or interleaved_1f1b "
+            f"({kind} gives each stage one contiguous group of layers)"
         )
-    if cfg.schedule == "gpipe" and cfg.repeats != 1:
+    if kind in ("1f1b", "interleaved_1f1b", "zero_bubble") and m < stages:
         raise ValueError(
-            f"pipeline.repeats={cfg.repeats} needs --set pipeline.schedule=circular (GPipe "
-            f"gives each stage one contiguous group of layers)"
+            f"pipeline.microbatches={m} is fewer than the {stages} pipeline stages: {kind} needs "
+            f"at least one microbatch per stage; set pipeline.microbatches >= {stages}"
         )
-    sched = Schedule(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
-    if num_layers % (stages * cfg.repeats):
+    if kind == "interleaved_1f1b" and m % stages:
+        raise ValueError(
+            f"pipeline.microbatches={m}: interleaved_1f1b takes microbatches in groups of the "
+            f"{stages} stages; set pipeline.microbatches to a multiple of {stages}"
+        )
+    if num_layers % (stages * v):
         raise ValueError(
             f"{num_layers} layers are not divisible by pipeline stages ({stages}) x "
-            f"pipeline.repeats ({cfg.repeats}); change the layer count, the `pipeline` mesh "
+            f"pipeline.repeats ({v}); change the layer count, the `pipeline` mesh "
             f"axis or pipeline.repeats"
         )
-    return sched
+    return Schedule(kind, stages, m, v)
 
 
 # ---- the model's parts ---------------------------------------------------------------------------
@@ -215,78 +219,187 @@ def to_layer_major(a: jax.Array) -> jax.Array:
 MANUAL = (DATA, AXIS)
 
 
-# ---- the schedule -------------------------------------------------------------------------------
+# ---- the executor -------------------------------------------------------------------------------
+
+# The loop's branches: what a stage does at a tick (F_FIRST embeds, F_LAST runs the head and the
+# loss, B_FIRST takes the gradient back into the embedding).
+IDLE, F, F_FIRST, F_LAST, B, B_FIRST, W = range(7)
 
 
-def _run_stages(
-    sched: Schedule, parts: Parts, w_VK: dict, x_MBTD: jax.Array, key: jax.Array | None
-) -> jax.Array:
-    """The tick loop on one stage; returns the final activations (valid on the last stage).
+def loop_tables(sched: Schedule) -> dict[str, np.ndarray]:
+    """The table as int32 arrays the compiled loop indexes by (tick, stage).
 
-    w_VK: this stage's block parameters, leaves [v, k, ...] (group r = repeat r).
-    x_MBTD: the embedded microbatches (used by stage 0).
+    op [T, p, 4]: branch, group, buffer slot, microbatch. recv_f / recv_b [T, p, 3]: whether the
+    activation (gradient) arriving after tick t is kept, and its group and slot.
     """
-    p, m, v, period = sched.stages, sched.microbatches, sched.repeats, sched.period
+    tab = sched.table
+    p, v, slots = sched.stages, sched.repeats, tab.slots
+    last = p * v - 1
+    op = np.zeros((tab.ticks, p, 4), np.int32)
+    recv_f = np.zeros((tab.ticks, p, 3), np.int32)
+    recv_b = np.zeros((tab.ticks, p, 3), np.int32)
+    for t, row in enumerate(tab.grid):
+        for s, it in enumerate(row):
+            if it is None:
+                continue
+            g, slot = it.chunk * p + s, it.mb % slots
+            if it.kind == schedules.F:
+                branch = F_FIRST if g == 0 else F_LAST if g == last else F
+                if g < last:
+                    recv_f[t, (s + 1) % p] = (1, (g + 1) // p, slot)
+            elif it.kind == schedules.B:
+                branch = B_FIRST if g == 0 else B
+                if g > 0:
+                    recv_b[t, (s - 1) % p] = (1, (g - 1) // p, slot)
+            else:
+                branch = W
+            op[t, s] = (branch, it.chunk, slot, it.mb)
+    return {"op": op, "recv_f": recv_f, "recv_b": recv_b}
+
+
+def _execute(
+    sched: Schedule, parts: Parts, prec: Any, rest: dict, w_VK: dict, tokens_MBT, targets_MBT, key
+) -> tuple:
+    """The schedule's table on one stage, as one loop: returns (loss share, rest grads, block
+    grads [v, k, ...]), this stage's and data replica's parts of the sums.
+
+    Every tick the stage runs its work item (a `lax.switch` on the table), then passes its
+    forward output one stage on and its input gradient one stage back (two `ppermute`s).
+    Activations, gradients and the forward's residuals (`jax.vjp`) wait in buffers of
+    `table.slots` per layer group, indexed by microbatch mod slots: their size follows from the
+    schedule, not from m (1f1b: p).
+    """  # fmt: skip
+    p, v = sched.stages, sched.repeats
+    tab = sched.table
+    slots = tab.slots
+    tables = {name: jnp.asarray(a) for name, a in loop_tables(sched).items()}
     k = jax.tree.leaves(w_VK)[0].shape[1]
     stage = lax.axis_index(AXIS)
-    ring = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
+    m, b, t = tokens_MBT.shape
+    norm = b * m * t  # this data replica's tokens: the loss is their mean
+    fwd_ring = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
+    bwd_ring = [(s, (s - 1) % p) for s in range(p)] if v > 1 else [(s, s - 1) for s in range(1, p)]
 
-    def apply_group(w_K, x_BTD, r, i):
-        first = (r * p + stage) * k  # index of the group's first layer in the model
+    def model_of(r):
+        return merge(parts.graphdef, parts.template, _put(prec.cast(r), parts.path, w_VK))
+
+    def embed(r, i):
+        return model_of(r).pipeline_parts()[0](tokens_MBT[i], jax.random.fold_in(key, m + i))
+
+    def head_loss(r, y_BTD, i):
+        logits_BTV = model_of(r).pipeline_parts()[2](y_BTD).astype(jnp.float32)
+        return _cross_entropy(logits_BTV, targets_MBT[i]).sum() / norm
+
+    def group(w_K, x_BTD, c, i):
+        first = (c * p + stage) * k  # index of the group's first layer in the model
+        w_K = prec.cast(w_K)
         # Unrolled (k is small): an inner while loop slicing the weights ran about 2x slower
         # per layer on CPU than straight-line code.
         for j in range(k):
             block = merge(parts.block_graphdef, parts.block_template,
                            jax.tree.map(lambda a, j=j: a[j], w_K))  # fmt: skip
-            kj = None if key is None else jax.random.fold_in(jax.random.fold_in(key, i), first + j)
+            kj = jax.random.fold_in(jax.random.fold_in(key, i), first + j)
             x_BTD = block(x_BTD, kj)
         return x_BTD
 
-    def tick(carry, t):
-        recv_BTD, park_MBTD, out_MBTD = carry
-        slot = t - stage
-        r, i = slot // period, slot % period
-        valid = (slot >= 0) & (r < v) & (i < m)
-        r, i = jnp.clip(r, 0, v - 1), jnp.clip(i, 0, m - 1)
-        first_in = jnp.where(r == 0, x_MBTD[i], park_MBTD[i]) if v > 1 else x_MBTD[i]
-        x_BTD = jnp.where(stage == 0, first_in, recv_BTD)
-        y_BTD = apply_group(jax.tree.map(lambda a: a[r], w_VK), x_BTD, r, i)
-        done = valid & (stage == p - 1) & (r == v - 1)
-        out_MBTD = out_MBTD.at[i].set(jnp.where(done, y_BTD, out_MBTD[i]))
-        recv_BTD = lax.ppermute(y_BTD, AXIS, ring)
-        if v > 1:  # stage 0 parks what the last stage finished at tick t for its next repeat
-            back = t - (p - 1)
-            rb, ib = back // period, back % period
-            keep = (stage == 0) & (back >= 0) & (rb < v - 1) & (ib < m)
-            ib = jnp.clip(ib, 0, m - 1)
-            park_MBTD = park_MBTD.at[ib].set(jnp.where(keep, recv_BTD, park_MBTD[ib]))
-        return (recv_BTD, park_MBTD, out_MBTD), None
+    structure = []  # the pullback's structure; its leaves are the residuals
 
-    zeros = jnp.zeros_like(x_MBTD)
-    init = (zeros[0], zeros if v > 1 else zeros[:0], zeros)
-    (_, _, out_MBTD), _ = lax.scan(tick, init, jnp.arange(sched.ticks))
-    return out_MBTD
+    def forward(w_K, x_BTD, c, i):
+        """The group's output and its backward's residuals (a flat list)."""
+        y_BTD, pullback = jax.vjp(lambda w, x: group(w, x, c, i), w_K, x_BTD)
+        leaves, treedef = jax.tree.flatten(pullback)
+        structure.append(treedef)
+        return y_BTD, leaves
 
+    w0 = jax.tree.map(lambda a: a[0], w_VK)
+    x0 = jax.eval_shape(embed, rest, jnp.int32(0))
+    # Traced once with a traced group and microbatch, as in the loop; filled per work item.
+    _, res0 = jax.eval_shape(forward, w0, x0, jnp.int32(0), jnp.int32(0))
+    treedef = structure[0]
 
-def _stage_loss(sched: Schedule, parts: Parts, rest: dict, w_VK: dict, x_BTD, targets_BT, key):
-    """This stage's share of the mean loss (the sum over stages and data replicas is the loss)."""
-    p = sched.stages
-    stage = lax.axis_index(AXIS)
-    model = merge(parts.graphdef, parts.template, _put(rest, parts.path, w_VK))
-    _, _, head = model.pipeline_parts()
-    b, t = targets_BT.shape
-    # Microbatch i takes rows i, i+m, ...: each fsdp shard keeps an equal share of every one.
-    x_MBTD = split_microbatches(x_BTD, sched.microbatches)
-    out_BTD = join_microbatches(_run_stages(sched, parts, w_VK, x_MBTD, key))
-    out_BTD = jnp.where(stage == p - 1, out_BTD, 0)
-    # Each stage gets T/p positions of the last stage's output and runs the head on them. In
-    # float32 whatever the compute dtype: XLA CPU aborts compiling a bf16 reduce-scatter here,
-    # and only the last stage contributes, so the sum is exact (once per step, B x T x D).
-    part_BSD = lax.psum_scatter(out_BTD.astype(jnp.float32), AXIS, scatter_dimension=1, tiled=True)
-    part_BSD = part_BSD.astype(out_BTD.dtype)
-    logits_BSV = head(part_BSD).astype(jnp.float32)
-    targets_BS = lax.dynamic_slice_in_dim(targets_BT, stage * (t // p), t // p, axis=1)
-    return _cross_entropy(logits_BSV, targets_BS).sum() / (b * t)
+    def buf(shape, dtype):
+        return jnp.zeros((v, slots, *shape), dtype)
+
+    def f32_zeros(tree):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+    state0 = {
+        "x": buf(x0.shape, x0.dtype),  # received activations
+        "g": buf(x0.shape, x0.dtype),  # received gradients (the loss's, on the last group)
+        "res": [buf(r.shape, r.dtype) for r in res0],
+        "gw": f32_zeros(w_VK),
+        "grest": f32_zeros(rest),
+        "loss": jnp.zeros((), jnp.float32),
+    }
+    zero_x = jnp.zeros(x0.shape, x0.dtype)
+
+    def put(a, c, slot, value):
+        return lax.dynamic_update_index_in_dim(a, lax.dynamic_update_index_in_dim(
+            a[c], value.astype(a.dtype), slot, 0), c, 0)  # fmt: skip
+
+    def add(tree, c, value):
+        return jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), tree, value)
+
+    def add_all(tree, value):
+        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), tree, value)
+
+    def pullback(st, c, slot):
+        return jax.tree.unflatten(treedef, [r[c, slot] for r in st["res"]])
+
+    def run_forward(st, c, slot, i, x_BTD):
+        y_BTD, res = forward(jax.tree.map(lambda a: a[c], w_VK), x_BTD, c, i)
+        st = {**st, "res": [put(a, c, slot, r) for a, r in zip(st["res"], res, strict=True)]}
+        return st, y_BTD
+
+    def idle(st, c, slot, i):
+        return st, zero_x, zero_x
+
+    def f_mid(st, c, slot, i):
+        st, y_BTD = run_forward(st, c, slot, i, st["x"][c, slot])
+        return st, y_BTD, zero_x
+
+    def f_first(st, c, slot, i):
+        st, y_BTD = run_forward(st, c, slot, i, embed(rest, i))
+        return st, y_BTD, zero_x
+
+    def f_last(st, c, slot, i):
+        st, y_BTD = run_forward(st, c, slot, i, st["x"][c, slot])
+        loss, (g_rest, g_BTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest, y_BTD, i)
+        st = {**st, "g": put(st["g"], c, slot, g_BTD), "loss": st["loss"] + loss,
+              "grest": add_all(st["grest"], g_rest)}  # fmt: skip
+        return st, zero_x, zero_x
+
+    def input_grad(st, c, slot):
+        return pullback(st, c, slot)(st["g"][c, slot])[1]
+
+    def b_mid(st, c, slot, i):
+        return st, zero_x, input_grad(st, c, slot)
+
+    def b_first(st, c, slot, i):
+        _, embed_vjp = jax.vjp(lambda r: embed(r, i), rest)
+        g_rest = embed_vjp(input_grad(st, c, slot))[0]
+        return {**st, "grest": add_all(st["grest"], g_rest)}, zero_x, zero_x
+
+    def weight_grad(st, c, slot, i):
+        g_K = pullback(st, c, slot)(st["g"][c, slot])[0]
+        return {**st, "gw": add(st["gw"], c, g_K)}, zero_x, zero_x
+
+    branches = [idle, f_mid, f_first, f_last, b_mid, b_first, weight_grad]
+    assert len(branches) == W + 1
+
+    def tick(st, t):
+        branch, c, slot, i = (tables["op"][t, stage, j] for j in range(4))
+        st, send_f, send_b = lax.switch(branch, branches, st, c, slot, i)
+        recv_f = lax.ppermute(send_f, AXIS, fwd_ring)
+        recv_b = lax.ppermute(send_b, AXIS, bwd_ring)
+        for name, recv, table in (("x", recv_f, "recv_f"), ("g", recv_b, "recv_b")):
+            keep, c, slot = (tables[table][t, stage, j] for j in range(3))
+            old = st[name][c, slot]
+            st = {**st, name: put(st[name], c, slot, jnp.where(keep > 0, recv, old))}
+        return st, None
+
+    st, _ = lax.scan(tick, state0, jnp.arange(tab.ticks))
+    return st["loss"], st["grest"], st["gw"]
 
 
 def _cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
@@ -334,32 +447,30 @@ def pipeline_grads(ctx: Context) -> Callable:
     d, p, v = mesh.shape[DATA], sched.stages, sched.repeats
     prec = ctx.prec  # casts inside the differentiated functions: float32 gradients
 
-    def local(rest, w_sm, x_BTD, targets_BT, key):
+    def local(rest, w_sm, tokens_BT, targets_BT, key):
         # rest: embedding/head, replicated over stages; w_sm leaves [1, v, k, ...]: this stage;
-        # x_BTD, targets_BT: this data replica's rows.
+        # tokens_BT, targets_BT: this data replica's rows.
         key = jax.random.fold_in(key, lax.axis_index(DATA))
         w_VK = jax.tree.map(lambda a: a[0], w_sm)
+        # Microbatch i takes rows i, i+m, ...: each fsdp shard keeps an equal share of every one.
+        tokens_MBT, targets_MBT = split_microbatches((tokens_BT, targets_BT), sched.microbatches)
         with activation_rules(mesh, ctx.act_rules, manual=MANUAL):
-            loss, (g_rest, g_VK, g_BTD) = jax.value_and_grad(
-                lambda r, w, x: _stage_loss(
-                    sched, parts, prec.cast(r), prec.cast(w), x, targets_BT, key
-                ),
-                argnums=(0, 1, 2),
-            )(rest, w_VK, x_BTD)
-        # The head got partial gradients on every stage and data replica; the input only on
-        # stage 0. One reduction each per step, none inside the tick loop. All in float32.
+            loss, g_rest, g_VK = _execute(
+                sched, parts, prec, rest, w_VK, tokens_MBT, targets_MBT, key
+            )
+        # The embedding's gradient is on stage 0, the head's on the last stage, each a partial
+        # sum per data replica: one reduction each per step, none inside the tick loop.
         loss, g_rest = lax.psum((loss, g_rest), MANUAL)
         g_VK = lax.psum(g_VK, DATA)
-        g_BTD = lax.psum(g_BTD.astype(jnp.float32), AXIS)
-        loss, g_rest, g_VK, g_BTD = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK, g_BTD))
-        return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK), g_BTD
+        loss, g_rest, g_VK = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK))
+        return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK)
 
     rows, stage = PartitionSpec(DATA), PartitionSpec(AXIS)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), stage, rows, rows, PartitionSpec()),
-        out_specs=(PartitionSpec(), PartitionSpec(), stage, rows),
+        out_specs=(PartitionSpec(), PartitionSpec(), stage),
         axis_names=set(MANUAL),
         check_vma=False,
     )
@@ -367,18 +478,8 @@ def pipeline_grads(ctx: Context) -> Callable:
     def grads_fn(params, batch, key):
         blocks = _get(params, parts.path)
         rest = _put(params, parts.path, None)
-        k_embed, k_blocks = jax.random.split(key)
-
-        def embed(rest):
-            model = merge(graphdef, template, prec.cast(_put(rest, parts.path, blocks)))
-            return model.pipeline_parts()[0](batch["inputs"], k_embed)
-
-        # The embedding runs outside the shard_map, automatically sharded (XLA CPU cannot
-        # partition its gather inside one when fsdp and tensor are both automatic).
-        x_BTD, embed_vjp = jax.vjp(embed, rest)
         w_sm = jax.tree.map(lambda a: to_stage_major(a, p, v), blocks)
-        loss, g_rest, g_sm, g_BTD = mapped(rest, w_sm, x_BTD, batch["targets"], k_blocks)
-        g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g_BTD.astype(x_BTD.dtype))[0])
+        loss, g_rest, g_sm = mapped(rest, w_sm, batch["inputs"], batch["targets"], key)
         grads = _put(g_rest, parts.path, jax.tree.map(to_layer_major, g_sm))
         return loss, {}, grads
 
@@ -428,8 +529,8 @@ def stage_table(cfg: TrainConfig, program: Any, flops: dict | None = None) -> li
     """Per stage: its blocks, parameter bytes (global and per device) and training FLOPs/step.
 
     Bytes include the embedding and head every stage holds; FLOPs (XLA's cost analysis of one
-    block, the embedding and the head, x3 for forward + backward) include the stage's 1/p share
-    of the head and the embedding.
+    block, the embedding and the head, x3 for forward + backward) include the embedding on stage
+    0 and the head on the last stage, where they run.
     """
     parts = model_parts(program.graphdef, program.param_template)
     sched = make_schedule(cfg.pipeline, program.mesh.shape[AXIS], parts.num_layers)
@@ -441,7 +542,9 @@ def stage_table(cfg: TrainConfig, program: Any, flops: dict | None = None) -> li
     rows = []
     for s in range(p):
         layers = [i for i in range(n) if sched.stage_of(i, n) == s]
-        fwd = len(layers) * flops["block"] + (flops["embed"] + flops["head"]) / p
+        fwd = (
+            len(layers) * flops["block"] + flops["embed"] * (s == 0) + flops["head"] * (s == p - 1)
+        )
         rows.append({
             "stage": s,
             "layers": layers,
@@ -501,9 +604,10 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
         f"repeats; shard_map manual over {', '.join(MANUAL)}",
         "",
         f"tick count {sched.ticks} ({n // (p * sched.repeats)} layer(s) per stage per tick); "
-        f"predicted bubble {sched.bubble:.1%} (GPipe (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%})",
+        f"predicted bubble {sched.bubble:.1%} (GPipe (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}); "
+        f"buffers of {sched.table.slots} microbatch(es) per layer group",
         "block -> stage: " + ", ".join(f"{i}->{sched.stage_of(i, n)}" for i in range(n)),
-        "embedding and head: on every stage; the head runs on seq_len/p positions per stage",
+        "embedding: on stage 0; head and loss: on the last stage (every stage holds both)",
         "",
         "| stage | blocks | parameter bytes | per device | training FLOPs/step |",
         "|---|---|---:|---:|---:|",
@@ -513,15 +617,9 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
             f"| {r['stage']} | {r['layers']} | {r['param_bytes']:,} | "
             f"{r['param_bytes_per_device']:,} | {r['train_flops']:.3g} |"
         )
-    # For comparison: the embedding on the first stage and the head on the last (torchtitan's
-    # placement), which an uneven split of the layers would then have to rebalance.
-    ends = [len(r["layers"]) * f["block"] for r in table]
-    ends[0] += f["embed"]
-    ends[-1] += f["head"]
     out.append(
-        f"\nstage balance: max/mean FLOPs {max(flops) / (sum(flops) / p):.3f} (embedding and "
-        f"head split over the stages; {max(ends) / (sum(ends) / p):.3f} were they on the first "
-        f"and last stage). The split is even; uneven splits are not supported."
+        f"\nstage balance: max/mean FLOPs {max(flops) / (sum(flops) / p):.3f} (the embedding on "
+        f"the first stage, the head on the last)"
     )
     if colls is not None:
         perms = [c for c in colls if c.kind == "collective-permute"]

@@ -71,16 +71,18 @@ def test_bench_pipeline_quick(tmp_path):
     r = bench("pipeline", str(tmp_path), "--set", "model.d_model=64", "--set", "model.d_mlp=128")
     rows = r["rows"]
     assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
-        (2, m, s) for m in (1, 2, 4) for s in ("gpipe", "circular")
+        (2, m, s)
+        for m in (2, 4)
+        for s in ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
     }
     for row in rows:
         assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
-        assert row["ticks"] >= row["m"] + row["p"] - 1
+        assert row["ticks"] >= 3 * (row["m"] + row["p"] - 1)  # F, B and W: a tick each
         assert 0 < row["bubble_predicted"] < 1 and math.isfinite(row["bubble_measured"])
     gpipe = [row for row in rows if row["schedule"] == "gpipe"]
     assert all(
         row["bubble_predicted"] == pytest.approx(row["bubble_gpipe_formula"]) for row in gpipe
     )
-    assert {(f["p"], f["schedule"]) for f in r["fits"]} == {(2, "gpipe"), (2, "circular")}
+    assert {(f["p"], f["schedule"]) for f in r["fits"]} == {(2, row["schedule"]) for row in rows}
     blob = (tmp_path / "pipeline.png").read_bytes()  # measured vs predicted bubble, per p
     assert blob[:8] == PNG and len(blob) > 10_000

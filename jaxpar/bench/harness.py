@@ -193,6 +193,7 @@ register("pipeline", "jaxpar.bench.pipeline:run", "GPipe and circular schedules:
 register("comm", "jaxpar.bench.comm:run", "gradient all-reduce fp32 / bf16 / int8 / DiLoCo: bytes and loss", "~5 min (quick ~1 min)")
 register("precision", "jaxpar.bench.precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")
 register("data", "jaxpar.bench.data:run", "tokens source: prepare speed, examples/s per process vs what a step consumes", "~5 min (quick ~1 min)")
+register("survivors", "jaxpar.bench.survivors:run", "replica groups through SIGKILLs vs torchft: throughput kept, healthy restarts, rejoin", "~25 min (quick ~1 min)")
 # fmt: on
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -183,12 +184,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     bootstrap.configure_devices()
     from jaxpar.config import apply_overrides, resolve_recipe, validate
-    from jaxpar.tools.inspect import inspect
+    from jaxpar.tools.inspect import inspect, inspect_json
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
+    if args.json and args.no_audit:
+        raise ValueError("--json reports the compiled step's figures: drop --no-audit")
     with tempfile.TemporaryDirectory() as tmp:
-        print(inspect(cfg, preset, tmp, audit=not args.no_audit))
+        if args.json:
+            print(json.dumps(inspect_json(cfg, preset, tmp), indent=1))
+        else:
+            print(inspect(cfg, preset, tmp, audit=not args.no_audit))
     return 0
 
 
@@ -590,6 +596,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value (repeatable)")  # fmt: skip
     ins.add_argument("--no-audit", action="store_true", help="skip compiling the step")
+    ins.add_argument("--json", action="store_true", help="print the mesh, the compiled step's "
+                     "per-device memory (arguments, outputs, temps, peak bytes) and collectives "
+                     "as JSON")  # fmt: skip
     ins.set_defaults(func=cmd_inspect)
     from jaxpar.bench import harness
 

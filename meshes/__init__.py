@@ -43,6 +43,16 @@ PRESETS: dict[str, Preset] = {
     "dp2_pp4": Preset(P("data=2,pipeline=4"), description="2 replicas x 4 pipeline stages"),
     "dp2_tp2_pp2": Preset(P("data=2,tensor=2,pipeline=2"), description="DP x TP x PP"),
     "fsdp2_tp2_pp2": Preset(P("data=1,fsdp=2,tensor=2,pipeline=2"), description="FSDP x TP x PP"),
+    # Context parallelism (long sequences; --set model.attention=ring|allgather|alltoall).
+    "dp2_cp4": Preset(P("data=2,context=4"), description="2 replicas x sequence split 4 ways"),
+    "fsdp2_cp2_tp2": Preset(
+        P("data=1,fsdp=2,tensor=2,context=2"), description="FSDP x TP x sequence split 2 ways"
+    ),
+    # Expert parallelism (mixture-of-experts models: experts split, tokens sent by all-to-all).
+    "dp2_ep4": Preset(P("data=2,expert=4"), description="2 replicas x experts split 4 ways"),
+    "fsdp2_ep2_tp2": Preset(
+        P("data=1,fsdp=2,tensor=2,expert=2"), description="FSDP x TP x experts split 2 ways"
+    ),
 }
 
 

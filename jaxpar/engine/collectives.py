@@ -393,6 +393,31 @@ def audit(compiled, mesh: Mesh | AbstractMesh) -> list[Collective]:
     return audit_hlo(compiled.as_text(), mesh)
 
 
+MEMORY_KEYS = ("arguments", "outputs", "aliased", "temps", "code", "peak")
+
+
+def memory(compiled) -> dict[str, int | None]:
+    """Per-device bytes of a compiled SPMD program, from XLA's memory analysis: `arguments`,
+    `outputs`, `aliased` (outputs sharing a donated argument's buffer), `temps` (the buffers
+    live inside the program: activations, gradients, collective buffers), `code` and `peak`:
+    the larger of XLA's peak and arguments + outputs - aliased + temps (an upper bound: XLA's
+    CPU backend reports only the arguments as its peak). Every value is None when the backend
+    has no memory analysis."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return dict.fromkeys(MEMORY_KEYS)
+    out = {
+        "arguments": int(stats.argument_size_in_bytes),
+        "outputs": int(stats.output_size_in_bytes),
+        "aliased": int(stats.alias_size_in_bytes),
+        "temps": int(stats.temp_size_in_bytes),
+        "code": int(stats.generated_code_size_in_bytes),
+    }
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    out["peak"] = max(peak, out["arguments"] + out["outputs"] - out["aliased"] + out["temps"])
+    return out
+
+
 def tally(colls: Iterable[Collective]) -> list[dict]:
     """Totals per (kind, mesh_axes, dtype), largest bytes first.
 

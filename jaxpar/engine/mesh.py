@@ -1,7 +1,7 @@
 """Device meshes: the mesh axes, mesh specs ("data=2,fsdp=2,tensor=2") and the jax Mesh.
 
-Every mesh jaxpar builds has all the axes of `AXIS_INFO` (data, fsdp, tensor, pipeline), with size
-1 for the strategies not in use, so one rules table serves every layout and only the mesh shape
+Every mesh jaxpar builds has all the axes of `AXIS_INFO` (data, fsdp, tensor, pipeline, context,
+expert), with size 1 for the strategies not in use, so one rules table serves every layout and only the mesh shape
 changes. `AXIS_INFO` is the one place the axes are declared: their order, what each is for and
 the facts other modules derive from it (which axes split the batch, which hold replicas, which
 processes are laid along). This module imports jax only where a Mesh is built, so the
@@ -31,6 +31,10 @@ class AxisInfo:
     replicas: bool  # the same parameters are held by every position (the replica check)
     hosts: bool  # multi-process meshes lay processes along it (in AXIS_INFO order)
     doc: str
+    # Written in mesh texts ("data=2,fsdp=1,...") even at size 1. The axes added after the first
+    # four are written only when > 1, so the texts (and the config hashes) of the layouts that
+    # do not use them are what they were before those axes existed.
+    always_written: bool = True
 
 
 AXIS_INFO: tuple[AxisInfo, ...] = (
@@ -38,6 +42,12 @@ AXIS_INFO: tuple[AxisInfo, ...] = (
     AxisInfo("fsdp", True, False, True, "ZeRO-3: parameters and optimizer state sharded"),
     AxisInfo("tensor", False, False, False, "Megatron tensor parallelism inside a layer"),
     AxisInfo("pipeline", False, False, False, "pipeline stages over stacked layers"),
+    # The sequence split into blocks (ring / all-gather / all-to-all attention): every position
+    # holds the same parameters. Rings and all-to-alls want the fast links: inside a host.
+    AxisInfo("context", False, True, False, "context parallelism: the sequence split", False),
+    # Experts split over it; outside the MoE layers it is one more way of splitting the batch
+    # (tokens reach their experts by all-to-all). Inside a host, like `context`.
+    AxisInfo("expert", True, False, False, "expert parallelism: MoE experts split", False),
 )
 AXES: tuple[str, ...] = tuple(a.name for a in AXIS_INFO)
 # Axes over which the batch is split (data parallelism, incl. ZeRO-3 sharding over fsdp).
@@ -57,7 +67,10 @@ def batch_ways(sizes: dict[str, int]) -> int:
 
 def mesh_text(sizes: dict[str, int]) -> str:
     """ "data=2,fsdp=1,..." for the axes present in `sizes`, in mesh order (MeshSpec.parse's form)."""
-    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
+    shown = {a.name for a in AXIS_INFO if a.always_written}
+    return ",".join(
+        f"{a}={sizes[a]}" for a in AXES if a in sizes and (a in shown or sizes[a] != 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,8 @@ class MeshSpec:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1
+    expert: int = 1
 
     @classmethod
     def parse(cls, text: str) -> MeshSpec:
@@ -149,12 +164,12 @@ if tuple(f.name for f in dataclasses.fields(MeshSpec)) != AXES:
 
 
 def batch_parallel_size(mesh: Mesh) -> int:
-    """Number of ways the global batch is split (data x fsdp)."""
+    """Number of ways the global batch is split (data x fsdp x expert)."""
     return batch_ways(dict(mesh.shape))
 
 
 def make_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the (data, fsdp, tensor, pipeline) mesh with Auto axis types.
+    """Build the mesh of every axis in AXES (size 1 where unused) with Auto axis types.
 
     Multi-process: processes are laid out along HOST_AXES (data first, then fsdp), so the
     slow cross-host links (DCN) carry only the data-parallel gradient reduction.

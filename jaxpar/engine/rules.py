@@ -19,7 +19,7 @@ from jaxpar.engine.mesh import AXES, MeshSpec
 
 VOCAB: tuple[str, ...] = (
     "batch", "seq", "embed", "mlp", "heads", "kv", "head_dim", "vocab", "layers", "stage",
-    "conv_in", "conv_out", "classes", "height", "width", "norm",
+    "conv_in", "conv_out", "classes", "height", "width", "norm", "expert",
 )  # fmt: skip
 
 Rule = tuple[str, str | tuple[str, ...] | None]
@@ -28,6 +28,7 @@ Rules = tuple[Rule, ...]
 # One table serves DP, FSDP, TP, PP and their mixes: unused strategies are size-1 mesh axes.
 PARAM_RULES: Rules = (
     ("layers", "pipeline"),
+    ("expert", "expert"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -39,7 +40,8 @@ PARAM_RULES: Rules = (
     ("conv_in", "fsdp"),
 )
 ACT_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
+    ("seq", "context"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv", "tensor"),

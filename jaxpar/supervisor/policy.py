@@ -86,14 +86,16 @@ def shrink_plan(
     shrunk and more gradient-accumulation microbatches so that each device still holds the same
     rows per microbatch. The global batch is kept. None if there is no such count."""
     outer, inner = HOST_AXES  # processes are laid along these batch axes, outer first
-    fixed = math.prod(mesh.get(a, 1) for a in AXES if a not in BATCH_AXES)
+    fixed = math.prod(mesh.get(a, 1) for a in AXES if a not in HOST_AXES)
+    # Batch axes inside a process (expert) keep their size and split the batch further.
+    inside = math.prod(mesh.get(a, 1) for a in BATCH_AXES if a not in HOST_AXES)
     old_ways = batch_ways(mesh)
     for n in range(available, min_nproc - 1, -1):
         devices = n * devices_per_proc
         if devices % fixed or global_batch % n:
             continue
-        ways = devices // fixed  # the batch is split this many ways (outer x inner)
-        if global_batch % ways:
+        ways = devices // fixed  # the batch is split this many ways over (outer x inner)
+        if global_batch % (ways * inside):
             continue
         # The inner axis must absorb the processes the outer one cannot take.
         for k in (math.gcd(mesh.get(inner, 1), ways), 1):
@@ -101,8 +103,8 @@ def shrink_plan(
                 break
         else:
             continue
-        m = max(microbatches, math.ceil(microbatches * old_ways / ways))
-        while global_batch % (ways * m):
+        m = max(microbatches, math.ceil(microbatches * old_ways / (ways * inside)))
+        while global_batch % (ways * inside * m):
             m += 1
         return {"nproc": n, "mesh": dict(mesh, **{outer: ways // k, inner: k}), "microbatches": m}
     return None

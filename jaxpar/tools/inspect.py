@@ -1,7 +1,8 @@
 """`jaxpar inspect`: shardings of every parameter and of the non-parameter state (BatchNorm
-statistics), and the compiled step's collectives; nothing is allocated.
+statistics), and the compiled step's per-device memory and collectives; nothing is allocated.
 
 jaxpar inspect --recipe gpt_tiny --mesh dp2_tp4
+jaxpar inspect --recipe gpt_tiny --mesh data=2,context=4 --json   # machine-readable figures
 """
 
 from __future__ import annotations
@@ -106,6 +107,39 @@ def _comm_lines(s, step_colls) -> list[str]:
     return lines
 
 
+def _memory_line(mem: dict) -> str:
+    if mem["peak"] is None:
+        return "per-device memory: not reported by this backend"
+    parts = ", ".join(f"{k} {_human(mem[k])}" for k in ("arguments", "outputs", "temps", "peak"))
+    return f"per-device memory of the compiled step (XLA): {parts}"
+
+
+def inspect_json(cfg: TrainConfig, preset: Preset, run_dir: str) -> dict:
+    """`jaxpar inspect --json`: the mesh, the parameter and state bytes, and the compiled train
+    step's per-device memory (`collectives.memory`) and collectives (one row per kind, mesh
+    axes and dtype; bytes per device per step, loop ops times their trip count)."""
+    s = setup(cfg, preset, run_dir)
+    rows, params_dev, state_dev = param_table(s)
+    compiled, seconds = compile_step(s)
+    colls = collectives.audit(compiled, s.mesh)
+    return {
+        "recipe": cfg.name,
+        "mesh": {a: int(n) for a, n in s.mesh.shape.items()},
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "parameters": {
+            "bytes_global": sum(r["bytes_global"] for r in rows),
+            "bytes_per_device": params_dev,
+        },
+        "state_bytes_per_device": state_dev,
+        "memory": collectives.memory(compiled),
+        "collectives": [
+            dict(r, mesh_axes=list(r["mesh_axes"])) for r in collectives.tally(colls)
+        ],
+        "compile_s": round(seconds, 3),
+    }
+
+
 def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) -> str:
     """The inspection report as markdown text."""
     s = setup(cfg, preset, run_dir)
@@ -141,6 +175,7 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
     if audit:
         compiled, seconds = compile_step(s)
         colls = collectives.audit(compiled, s.mesh)
+        out += ["", _memory_line(collectives.memory(compiled))]
         out += ["", f"## collectives of the compiled train step (compiled in {seconds:.1f}s)", ""]
         out.append(collectives.format_audit(colls))
         out += _comm_lines(s, colls)

@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from jaxpar import meshes
+from jaxpar.engine.mesh import mesh_text
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("JAXPAR_UPDATE_GOLDEN") == "1"
@@ -44,7 +45,7 @@ def _param_rows(b) -> list[tuple[str, tuple, tuple, jax.sharding.PartitionSpec]]
 
 
 def render(name: str, b) -> str:
-    mesh = ",".join(f"{a}={n}" for a, n in b.mesh.shape.items())
+    mesh = mesh_text(dict(b.mesh.shape))
     lines = [
         f"# gpt_tiny parameter shardings on preset {name} (mesh {mesh})",
         "# regenerate: JAXPAR_UPDATE_GOLDEN=1 python -m pytest tests/engine/test_golden.py",

@@ -33,11 +33,13 @@ P = PartitionSpec
 @pytest.mark.parametrize(
     "text, sizes",
     [
-        ("data=2,fsdp=2,tensor=2", (2, 2, 2, 1)),
-        ("", (-1, 1, 1, 1)),  # all devices on data
-        ("tensor=4", (1, 1, 4, 1)),  # unnamed axes are 1
-        (" data = -1 , tensor=2 ", (-1, 1, 2, 1)),
-        ("pipeline=2,data=4", (4, 1, 1, 2)),
+        ("data=2,fsdp=2,tensor=2", (2, 2, 2, 1, 1, 1)),
+        ("", (-1, 1, 1, 1, 1, 1)),  # all devices on data
+        ("tensor=4", (1, 1, 4, 1, 1, 1)),  # unnamed axes are 1
+        (" data = -1 , tensor=2 ", (-1, 1, 2, 1, 1, 1)),
+        ("pipeline=2,data=4", (4, 1, 1, 2, 1, 1)),
+        ("data=2,context=4", (2, 1, 1, 1, 4, 1)),
+        ("fsdp=2,expert=2,tensor=2", (1, 2, 2, 1, 1, 2)),
     ],
 )
 def test_parse(text, sizes):
@@ -47,16 +49,17 @@ def test_parse(text, sizes):
 @pytest.mark.parametrize(
     "text, devices, sizes",
     [
-        ("data=-1,tensor=4", 8, (2, 1, 4, 1)),
-        ("fsdp=-1", 8, (1, 8, 1, 1)),
-        ("", 4, (4, 1, 1, 1)),
-        ("data=2,fsdp=2,tensor=2", 8, (2, 2, 2, 1)),
+        ("data=-1,tensor=4", 8, (2, 1, 4, 1, 1, 1)),
+        ("fsdp=-1", 8, (1, 8, 1, 1, 1, 1)),
+        ("", 4, (4, 1, 1, 1, 1, 1)),
+        ("data=2,fsdp=2,tensor=2", 8, (2, 2, 2, 1, 1, 1)),
     ],
 )
 def test_resolve_fills_in_the_rest(text, devices, sizes):
     spec = MeshSpec.parse(text).resolve(devices)
     assert spec.shape == sizes and spec.size == devices
-    assert str(spec) == ",".join(f"{a}={n}" for a, n in zip(AXES, sizes, strict=True))
+    # context and expert are written only when > 1: the texts of the other layouts are unchanged
+    assert str(spec) == ",".join(f"{a}={n}" for a, n in zip(AXES[:4], sizes[:4], strict=True))
 
 
 @pytest.mark.parametrize(
@@ -91,11 +94,13 @@ def test_mesh_product_must_match_device_count(text, match, devices8):
 # ---- make_mesh ---------------------------------------------------------------------------------
 
 
-def test_make_mesh_is_4d_auto_in_device_order(devices8):
+def test_make_mesh_has_every_axis_auto_in_device_order(devices8):
     mesh = make_mesh("data=2,tensor=4")
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4, "pipeline": 1}
-    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert dict(mesh.shape) == {
+        "data": 2, "fsdp": 1, "tensor": 4, "pipeline": 1, "context": 1, "expert": 1
+    }  # fmt: skip
+    assert mesh.axis_types == (AxisType.Auto,) * 6
     assert list(mesh.devices.flat) == devices8
     assert batch_parallel_size(mesh) == 2
     assert batch_parallel_size(make_mesh("data=2,fsdp=2,tensor=2")) == 4
@@ -104,8 +109,8 @@ def test_make_mesh_is_4d_auto_in_device_order(devices8):
 def test_make_mesh_on_a_subset_of_devices(devices8):
     mesh = make_mesh(MeshSpec.parse("data=-1"), devices8[2:6])
     assert mesh.shape["data"] == 4 and list(mesh.devices.flat) == devices8[2:6]
-    one = make_mesh(meshes.PRESETS["cpu1"].mesh, devices8[:1])  # one device = the 1x1x1x1 mesh
-    assert one.devices.shape == (1, 1, 1, 1)
+    one = make_mesh(meshes.PRESETS["cpu1"].mesh, devices8[:1])  # one device = the 1x...x1 mesh
+    assert one.devices.shape == (1,) * len(AXES)
 
 
 @pytest.mark.slow
@@ -113,7 +118,7 @@ def test_default_mesh_uses_every_device_on_data(rerun):
     if rerun(4):  # re-run in a subprocess with 4 devices
         return
     assert jax.device_count() == 4
-    assert dict(make_mesh("").shape) == {"data": 4, "fsdp": 1, "tensor": 1, "pipeline": 1}
+    assert dict(make_mesh("").shape) == dict.fromkeys(AXES, 1) | {"data": 4}
 
 
 # ---- logical_to_spec ---------------------------------------------------------------------------
@@ -241,7 +246,7 @@ def test_microbatches_must_divide_the_per_replica_batch(devices8):
 def test_unknown_preset():
     with pytest.raises(ValueError, match=r"unknown mesh preset 'dp9'; use one of \[.*'dp8'.*"):
         meshes.resolve("dp9")
-    assert meshes.resolve("data=2,tensor=4").mesh.shape == (2, 1, 4, 1)
+    assert meshes.resolve("data=2,tensor=4").mesh.shape == (2, 1, 4, 1, 1, 1)
 
 
 def test_unknown_recipe():
@@ -283,3 +288,20 @@ def test_bad_set_value_type(override, match):
 def test_bad_set_tuple_value_names_the_key(value):
     with pytest.raises(ValueError, match=r"--set model.channels="):
         apply_overrides(resolve_recipe("digits_cnn"), [f"model.channels={value}"])
+
+
+def test_context_and_expert_axes(devices8):
+    """context and expert are mesh axes like the others: parsed, in the mesh (innermost, so a
+    ring or an all-to-all spans neighbouring devices), written in texts only when > 1; expert
+    splits the batch (outside the MoE layers it is one more data-parallel way)."""
+    spec = MeshSpec.parse("data=2,context=4")
+    assert str(spec) == "data=2,fsdp=1,tensor=1,pipeline=1,context=4"
+    mesh = make_mesh(spec, devices8)
+    assert mesh.shape["context"] == 4 and batch_parallel_size(mesh) == 2
+    assert mesh.devices[1, 0, 0, 0, :, 0].tolist() == devices8[4:8]  # one ring: 4 neighbours
+    ep = make_mesh("data=2,expert=4", devices8)
+    assert batch_parallel_size(ep) == 8  # data x expert
+    assert str(MeshSpec.parse("fsdp=2,expert=2,tensor=2")) == (
+        "data=1,fsdp=2,tensor=2,pipeline=1,expert=2"
+    )
+    assert {"dp2_cp4", "fsdp2_cp2_tp2", "dp2_ep4", "fsdp2_ep2_tp2"} <= set(meshes.PRESETS)

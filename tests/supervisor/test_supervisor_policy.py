@@ -435,3 +435,11 @@ def test_a_group_runs_its_own_command_whatever_the_spec_says(tmp_path):
         group.waker.wait(60)
         exits += group.poll()
     assert exits == [(0, 0)] and ran.read_text() == "yes" and not marker.exists()
+
+
+def test_shrink_keeps_the_expert_axis_and_its_batch_share():
+    """expert splits the batch but lies inside a process: a shrink keeps its size and counts it
+    in the batch split (8 devices data=4 x expert=2 -> 4 devices data=2 x expert=2)."""
+    mesh = {"data": 4, "fsdp": 1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 2}
+    plan = supervisor.shrink_plan(3, 2, 16, mesh, 1, 1)
+    assert plan == {"nproc": 2, "mesh": dict(mesh, data=2), "microbatches": 2}

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.engine.attention import attention, check_impl, dropout
 from jaxpar.engine.rules import constrain
 
 _init = nnx.initializers
@@ -50,13 +51,17 @@ class GPTConfig:
     d_mlp: int = 512
     dropout: float = 0.0
     remat: str = "none"  # none | block | dots (see REMAT_POLICIES)
+    # How attention runs when the sequence is split over the `context` mesh axis: ring |
+    # allgather | alltoall (jaxpar/engine/attention.py); plain attention when it is not.
+    attention: str = "ring"
 
-    # Changes memory and speed, not the values computed: left out of jaxpar's config hash.
-    NOT_HASHED: ClassVar[tuple[str, ...]] = ("remat",)
+    # Change memory and speed, not the values computed: left out of jaxpar's config hash.
+    NOT_HASHED: ClassVar[tuple[str, ...]] = ("remat", "attention")
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}: use one of {list(REMAT_POLICIES)}")
+        check_impl(self.attention)
 
     def build(self, rngs: nnx.Rngs) -> GPT:
         return GPT(self, rngs=rngs)
@@ -88,11 +93,7 @@ class LayerNorm(nnx.Module):
         ).astype(x.dtype)
 
 
-def _dropout(x, rate: float, key):
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0)
+_dropout = dropout
 
 
 class Block(nnx.Module):
@@ -125,14 +126,10 @@ class Block(nnx.Module):
 
     def attention(self, x_BTD, key):
         q_BTNH, k_BTNH, v_BTNH = self.qkv(x_BTD)
-        h = q_BTNH.shape[-1]
-        s_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BTNH) / jnp.sqrt(h).astype(x_BTD.dtype)
-        t = x_BTD.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        s_BNTS = jnp.where(causal, s_BNTS, jnp.finfo(s_BNTS.dtype).min)
-        p_BNTS = jax.nn.softmax(s_BNTS.astype(jnp.float32), axis=-1).astype(x_BTD.dtype)
-        p_BNTS = _dropout(p_BNTS, self.cfg.dropout, key)
-        o_BTNH = jnp.einsum("bnts,bsnh->btnh", p_BNTS, v_BTNH)
+        o_BTNH = attention(
+            q_BTNH, k_BTNH, v_BTNH, impl=self.cfg.attention, dropout_rate=self.cfg.dropout,
+            dropout_key=key,
+        )  # fmt: skip
         o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.w_o[...]) + self.b_o[...]
 

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import OptimConfig, TrainConfig
+from jaxpar.engine import attention
 from jaxpar.engine import model as model_lib
 from jaxpar.engine.losses import LossFn, check_output, loss_for
 from jaxpar.engine.mesh import BATCH_AXES, batch_parallel_size
@@ -191,6 +192,14 @@ def build_program(
         abstract_params=jax.tree.map(
             lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), _pure(template)
         ),
+    )  # fmt: skip
+    # A mesh that splits the sequence: the model must run its attention through jaxpar's.
+    attention.check_model(
+        lambda: jax.eval_shape(
+            make_loss(mdef, loss, prec), ctx.abstract_params, _pure(mdef.state), batch_spec,
+            jax.random.key(0),
+        ),
+        mesh, act_rules,
     )  # fmt: skip
     strategy = strategy_cls(ctx)
     state_sh = {

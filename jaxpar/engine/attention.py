@@ -1,0 +1,393 @@
+"""Attention over a sequence that the activation rules may split across devices.
+
+    from jaxpar.engine.attention import attention
+    o_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, impl="ring")
+
+A model calls `attention` with queries, keys and values named ("batch", "seq", "heads",
+"head_dim") and never names a mesh axis. Where the activation rules put `seq` on a mesh axis of
+size 1 (every layout without `context`), or outside jaxpar's step, it is plain causal softmax
+attention. Where they split `seq` over an axis of size c > 1 (the `context` axis: the ring), it
+runs in a shard_map over the mesh, each device holding T/c positions, as one of:
+
+    ring       K/V blocks passed around the ring with ppermute, an online softmax, and the causal
+               load balance of the zigzag order: the sequence in 2c chunks, device r holding
+               chunks r and 2c-1-r, so every device does the same work at every ring step. Only
+               O(T/c) per device is kept for the backward pass, which passes K/V and their
+               gradients around the ring again. seq_len must be a multiple of 2c.
+    allgather  K/V all-gathered over the ring; scores of T/c queries against all T keys. The
+               simplest, for small rings. seq_len a multiple of c.
+    alltoall   (Ulysses) an all-to-all from the sequence split to a head split, plain attention
+               on the whole sequence for heads/c heads, and an all-to-all back. The heads held
+               by a device (after `tensor`) must be a multiple of c.
+
+Collective-permutes of one ring attention call, ring size c, counted in executions (the ring
+steps are a loop, so that one step's scores are alive at a time): forward c+3 (c-1 ring steps,
+two into the zigzag order and two back); backward 2c+3 (c-1 for K/V, c for their gradients,
+which travel with them and end at home, and the transposes of the four reorders). A ring of 2
+keeps its even chunks in place (two reorders fewer each way), and its one step is no loop, so
+the backward pass reuses the forward's shifted K/V: 3 and 4. `ring_permutes(c)`.
+
+Docs: docs/parallelism.md ("context") and docs/model_contract.md (a model of one's own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.engine.rules import _ACT, Rules, _as_tuple, activation_rules, logical_to_spec
+
+IMPLS: tuple[str, ...] = ("ring", "allgather", "alltoall")
+NAMES: tuple[str, ...] = ("batch", "seq", "heads", "head_dim")
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+# The calls of `attention` traced while `recording()` is open (their impl and ring size).
+_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_attn", default=None)
+
+
+def ring_permutes(ring: int) -> tuple[int, int]:
+    """(forward, backward) collective-permutes of one ring attention call on a ring of `ring`."""
+    if ring == 1:
+        return 0, 0
+    if ring == 2:  # even chunks stay; the one step is no loop, its K/V shift is the forward's
+        return 3, 4
+    return ring + 3, 2 * ring + 3
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"model.attention={impl!r}: use one of {list(IMPLS)}")
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout of rate `rate` keyed by `key` (identity without a key or at rate 0)."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def dense(q, k, v, *, causal: bool = True, dropout_rate: float = 0.0, dropout_key=None):
+    """Plain softmax attention of [B, T, N, H] queries, keys and values (softmax in float32)."""
+    h = q.shape[-1]
+    s_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(h).astype(q.dtype)
+    if causal:
+        t = q.shape[1]
+        mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+        s_BNTS = jnp.where(mask, s_BNTS, jnp.finfo(s_BNTS.dtype).min)
+    p_BNTS = jax.nn.softmax(s_BNTS.astype(jnp.float32), axis=-1).astype(q.dtype)
+    p_BNTS = dropout(p_BNTS, dropout_rate, dropout_key)
+    return jnp.einsum("bnts,bsnh->btnh", p_BNTS, v)
+
+
+def ring_of_seq() -> tuple[str | None, int]:
+    """(mesh axis, size) that the current activation rules split `seq` over; (None, 1) when
+    they split it over none (or outside jaxpar's step)."""
+    ctx = _ACT.get()
+    if ctx is None:
+        return None, 1
+    spec = logical_to_spec(("seq",), ctx.rules, ctx.mesh, exclude=ctx.manual)
+    axes = _as_tuple(spec[0] if len(spec) else None)
+    if not axes:
+        return None, 1
+    if len(axes) > 1:
+        raise ValueError(f"the rules split `seq` over {axes}; give it one mesh axis (context)")
+    return axes[0], ctx.mesh.shape[axes[0]]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Collect (impl, ring size) of every `attention` call traced inside the block."""
+    calls: list = []
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+def check_model(trace: Callable[[], object], mesh: jax.sharding.Mesh, act_rules: Rules) -> None:
+    """Where `act_rules` split `seq` over a mesh axis of size > 1: trace the model's training
+    forward pass (`trace`, abstractly) and raise ValueError naming the fix when it never calls
+    `attention`. The helper's own refusals (seq_len not divisible by the ring, attention
+    dropout) come out of the trace as they are, before anything is compiled."""
+    with activation_rules(mesh, act_rules):
+        axis, ring = ring_of_seq()
+        if ring == 1:
+            return
+        with recording() as calls:
+            trace()
+    if not calls:
+        raise ValueError(
+            f"the mesh splits the sequence over {axis}={ring}, but the model never calls "
+            f"jaxpar.engine.attention.attention, so it cannot run context-parallel; use {axis}=1 "
+            f"(a model of one's own: jaxpar docs model_contract)"
+        )
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    impl: str = "ring",
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Softmax attention of q, k, v [B, T, N, H] (logical names NAMES) -> [B, T, N, H].
+
+    `impl` picks the context-parallel kernel (IMPLS); with `seq` unsplit all three are `dense`.
+    Dropout on the attention probabilities is supported only there.
+    """
+    check_impl(impl)
+    axis, ring = ring_of_seq()
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.append((impl, ring))
+    if ring == 1:
+        return dense(q, k, v, causal=causal, dropout_rate=dropout_rate, dropout_key=dropout_key)
+    if dropout_rate and dropout_key is not None:
+        raise ValueError(
+            f"attention dropout (rate {dropout_rate}) is not supported with the sequence split "
+            f"over {axis}={ring}; set --set model.dropout=0 or use {axis}=1"
+        )
+    t, heads = q.shape[1], q.shape[2]
+    blocks = 2 * ring if impl == "ring" and causal else ring
+    if t % blocks:
+        why = " (x 2 for the causal balance of ring attention)" if blocks != ring else ""
+        raise ValueError(
+            f"seq_len {t} is not divisible by {blocks}, the {axis} ring of {ring}{why}; set "
+            f"model.seq_len and data.seq_len to a multiple of {blocks}"
+        )
+    ctx = _ACT.get()
+    spec = logical_to_spec(NAMES, ctx.rules, ctx.mesh, exclude=ctx.manual)
+    if impl == "alltoall":
+        head_ways = 1
+        for a in _as_tuple(spec[2] if len(spec) > 2 else None):
+            head_ways *= ctx.mesh.shape[a]
+        if (heads // head_ways) % ring:
+            raise ValueError(
+                f"attention=alltoall: the {heads // head_ways} heads per device (of {heads}) are "
+                f"not divisible by the {axis} ring of {ring}; use model.n_heads a multiple of "
+                f"{head_ways * ring}, or --set model.attention=ring"
+            )
+    kernel = {"ring": _ring, "allgather": _allgather, "alltoall": _alltoall}[impl]
+    local = functools.partial(kernel, axis=axis, ring=ring, causal=causal)
+    mesh = jax.sharding.get_abstract_mesh() if ctx.manual else ctx.mesh
+    auto = {a for a in ctx.mesh.axis_names if a not in ctx.manual}
+    out = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=auto,
+        check_vma=False,
+    )(q, k, v)  # fmt: skip
+    return out
+
+
+# ---- all-gather ------------------------------------------------------------------------------
+
+
+def _visible(t_local: int, span: int, offset) -> jax.Array:
+    """[t_local, span] causal mask of queries at positions offset + i against keys 0..span-1."""
+    return jnp.arange(span)[None, :] <= offset + jnp.arange(t_local)[:, None]
+
+
+def _allgather(q, k, v, *, axis: str, ring: int, causal: bool):
+    kv = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
+    t = q.shape[1]
+    scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    s_BNTS = jnp.einsum("btnh,bsnh->bnts", q, kv[0], preferred_element_type=jnp.float32) * scale
+    if causal:
+        mask = _visible(t, kv.shape[2], jax.lax.axis_index(axis) * t)
+        s_BNTS = jnp.where(mask, s_BNTS, _NEG)
+    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(q.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", p_BNTS, kv[1])
+
+
+# ---- all-to-all (Ulysses) ----------------------------------------------------------------------
+
+
+def _alltoall(q, k, v, *, axis: str, ring: int, causal: bool):
+    # [3, B, T/c, N, H] -> [3, B, T, N/c, H]: sequence split traded for a head split.
+    qkv = jax.lax.all_to_all(jnp.stack([q, k, v]), axis, 3, 2, tiled=True)
+    o = dense(qkv[0], qkv[1], qkv[2], causal=causal)
+    return jax.lax.all_to_all(o, axis, 1, 2, tiled=True)
+
+
+# ---- ring ------------------------------------------------------------------------------------
+
+
+def _shift(x, axis: str, ring: int):
+    """Device r's x to device r+1 (mod ring)."""
+    return jax.lax.ppermute(x, axis, [(r, (r + 1) % ring) for r in range(ring)])
+
+
+def _permute(x, axis: str, pairs: list[tuple[int, int]]):
+    """ppermute by `pairs`, none when it moves nothing (the even chunks of a ring of 2)."""
+    return x if all(i == j for i, j in pairs) else jax.lax.ppermute(x, axis, pairs)
+
+
+def _zigzag_device(chunk: int, ring: int) -> int:
+    return chunk if chunk < ring else 2 * ring - 1 - chunk
+
+
+def _to_zigzag(x, axis: str, ring: int):
+    """[..., T/c, ...] (axis -3) contiguous chunks (2r, 2r+1) -> zigzag chunks (r, 2c-1-r).
+
+    Chunk m goes to device m (first slot) if m < c, else to device 2c-1-m (second slot). The
+    even chunks (one per device) travel by one ppermute, the odd ones by another; an even device
+    receives its first slot's chunk by the first, an odd device by the second."""
+    c2 = x.shape[-3] // 2
+    even, odd = x[..., :c2, :, :], x[..., c2:, :, :]
+    even = _permute(even, axis, [(r, _zigzag_device(2 * r, ring)) for r in range(ring)])
+    odd = _permute(odd, axis, [(r, _zigzag_device(2 * r + 1, ring)) for r in range(ring)])
+    is_even = jax.lax.axis_index(axis) % 2 == 0
+    first, second = jnp.where(is_even, even, odd), jnp.where(is_even, odd, even)
+    return jnp.concatenate([first, second], axis=-3)
+
+
+def _from_zigzag(x, axis: str, ring: int):
+    """Inverse of _to_zigzag."""
+    c2 = x.shape[-3] // 2
+    first, second = x[..., :c2, :, :], x[..., c2:, :, :]
+    is_even = jax.lax.axis_index(axis) % 2 == 0
+    even, odd = jnp.where(is_even, first, second), jnp.where(is_even, second, first)
+    even = _permute(even, axis, [(_zigzag_device(2 * r, ring), r) for r in range(ring)])
+    odd = _permute(odd, axis, [(_zigzag_device(2 * r + 1, ring), r) for r in range(ring)])
+    return jnp.concatenate([even, odd], axis=-3)
+
+
+def _ring(q, k, v, *, axis: str, ring: int, causal: bool):
+    if not causal:
+        return _ring_core(q, k, v, axis, ring, False)
+    qkv = _to_zigzag(jnp.stack([q, k, v]), axis, ring)
+    o = _ring_core(qkv[0], qkv[1], qkv[2], axis, ring, True)
+    return _from_zigzag(o, axis, ring)
+
+
+def _scores(q, k):
+    scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    return jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+
+
+def _blocks(step, axis: str, ring: int, causal: bool, fn: Callable, carry, q, kv):
+    """Apply `fn(carry, q_rows, kv_cols, rows, cols, mask)` to the visible blocks of ring step
+    `step` (device r then holds the K/V of device r - step), zigzag order, one chunk of C
+    queries against one chunk of C keys at a time (so C x C scores are alive at once).
+
+    Local queries and K/V hold two chunks each, A (chunk r) and B (chunk 2c-1-r). Step 0: AA and
+    BB causal, BA in full. Later, K/V from src = r - step: an earlier device's (src < r) A' is
+    visible to both A and B, its B' to neither; a later device's A' and B' to B only. Two
+    C x C blocks either way: every device does the same work at every step."""
+    n = q.shape[1]
+    c2 = n // 2
+    a, b = slice(0, c2), slice(c2, n)
+
+    def block(carry, rows, cols, mask=None):
+        return fn(carry, q[:, rows], kv[:, :, cols], rows, cols, mask)
+
+    if not causal:
+        return block(block(carry, a, slice(None)), b, slice(None))
+    if isinstance(step, int) and step == 0:
+        tril = jnp.tril(jnp.ones((c2, c2), bool))
+        return block(block(block(carry, a, a, tril), b, a), b, b, tril)
+    src = (jax.lax.axis_index(axis) - step) % ring
+
+    def earlier(carry):
+        return block(block(carry, a, a), b, a)
+
+    def later(carry):
+        return block(block(carry, b, a), b, b)
+
+    return jax.lax.cond(src < jax.lax.axis_index(axis), earlier, later, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring_core(q, k, v, axis: str, ring: int, causal: bool):
+    return _ring_fwd(q, k, v, axis, ring, causal)[0]
+
+
+def _ring_fwd(q, k, v, axis, ring, causal):
+    b, t, n, h = q.shape
+    acc = (
+        jnp.zeros((b, t, n, h), jnp.float32),
+        jnp.full((b, n, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, n, t), jnp.float32),
+    )
+
+    def update(acc, q_rows, kv, rows, cols, mask):
+        o, m, l_ = acc
+        s = _scores(q_rows, kv[0])
+        if mask is not None:
+            s = jnp.where(mask, s, _NEG)
+        m_old, l_old, o_old = m[:, :, rows], l_[:, :, rows], o[:, rows]
+        m_new = jnp.maximum(m_old, s.max(-1))
+        corr = jnp.exp(m_old - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l_new = l_old * corr + p.sum(-1)
+        pv = jnp.einsum("bnts,bsnh->btnh", p.astype(kv.dtype), kv[1],
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        o_new = o_old * jnp.swapaxes(corr, 1, 2)[..., None] + pv
+        return o.at[:, rows].set(o_new), m.at[:, :, rows].set(m_new), l_.at[:, :, rows].set(l_new)
+
+    # Step 0 on the local block, then a loop (one step's scores live at a time): shift, attend.
+    kv = jnp.stack([k, v])
+    acc = _blocks(0, axis, ring, causal, update, acc, q, kv)
+
+    def step(i, carry):
+        acc, kv = carry
+        kv = _shift(kv, axis, ring)
+        return _blocks(i, axis, ring, causal, update, acc, q, kv), kv
+
+    acc, _ = jax.lax.fori_loop(1, ring, step, (acc, kv))
+    o, m, l_ = acc
+    out = (o / jnp.swapaxes(l_, 1, 2)[..., None]).astype(q.dtype)
+    lse = m + jnp.log(l_)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(axis, ring, causal, res, d_out):
+    q, k, v, out, lse = res
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    do = d_out.astype(q.dtype)
+
+    def grads(carry, q_rows, kv, rows, cols, mask):
+        dq, dkv = carry
+        s = _scores(q_rows, kv[0])
+        p = jnp.exp(s - lse[:, :, rows][..., None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        do_rows = do[:, rows]
+        dv = jnp.einsum("bnts,btnh->bsnh", p.astype(do.dtype), do_rows,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        dp = jnp.einsum("btnh,bsnh->bnts", do_rows, kv[1], preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, :, rows][..., None]) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+        dq_rows = jnp.einsum("bnts,bsnh->btnh", ds.astype(q.dtype), kv[0],
+                             preferred_element_type=jnp.float32)  # fmt: skip
+        dk = jnp.einsum("bnts,btnh->bsnh", ds.astype(q.dtype), q_rows,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        dq = dq.at[:, rows].add(dq_rows)
+        dkv = dkv.at[:, :, cols].add(jnp.stack([dk, dv]))
+        return dq, dkv
+
+    kv = jnp.stack([k, v])
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(kv.shape, jnp.float32))
+    carry = _blocks(0, axis, ring, causal, grads, carry, q, kv)
+
+    def step(i, loop):
+        (dq, dkv), kv = loop
+        # The gradients travel with their K/V block.
+        kv, dkv = _shift(kv, axis, ring), _shift(dkv, axis, ring)
+        return _blocks(i, axis, ring, causal, grads, (dq, dkv), q, kv), kv
+
+    carry, _ = jax.lax.fori_loop(1, ring, step, (carry, kv))
+    carry = (carry[0], _shift(carry[1], axis, ring))  # home: the gradients of one's own K/V
+    dq, dkv = carry
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+_ring_core.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,69 @@
+"""Context parallelism: gpt_tiny with the sequence split over `context` (ring, all-gather and
+all-to-all attention) reproduces the losses and gradients of the same model unsplit, and the
+ring's collective-permutes match jaxpar.engine.attention.ring_permutes.
+
+    python -m pytest tests/parallel/test_context.py -s   # -s prints the measured differences
+"""
+
+import dataclasses
+
+import pytest
+
+from jaxpar.engine import attention, collectives
+from tests.support import programs
+
+STEPS = 3
+LOSS_RTOL = 1e-5
+GRAD_ATOL = (
+    2e-6  # fp32 roundoff of differently ordered reductions (as tests/parallel/test_parity.py)
+)
+
+
+def config(seq_len: int, impl: str = "ring", steps: int = STEPS):
+    cfg = programs.recipe("gpt_tiny", steps)
+    model = dataclasses.replace(cfg.model, seq_len=seq_len, attention=impl)
+    data = dataclasses.replace(cfg.data, seq_len=seq_len, global_batch=8)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+_RUNS: dict = {}
+
+
+def run(
+    seq_len: int, layout: str, impl: str = "ring"
+) -> tuple[programs.Compiled, programs.RunResult]:
+    key = (seq_len, layout, impl)
+    if key not in _RUNS:
+        c = programs.compile_layout(config(seq_len, impl), layout)
+        _RUNS[key] = c, programs.train(c)
+    return _RUNS[key]
+
+
+def check_parity(seq_len: int, layout: str, impl: str) -> None:
+    _, ref = run(seq_len, "dp8")
+    _, got = run(seq_len, layout, impl)
+    loss_rel = programs.max_rel(got.losses, ref.losses)
+    grad_abs = programs.max_abs_tree(got.grads, ref.grads)
+    print(
+        f"\n[context] seq {seq_len} {layout} {impl}: loss rel {loss_rel:.2e} grad abs {grad_abs:.2e}"
+    )
+    assert loss_rel <= LOSS_RTOL, (got.losses, ref.losses)
+    assert grad_abs <= GRAD_ATOL
+
+
+@pytest.mark.slow
+def test_ring_matches_unsplit_and_audits_its_permutes():
+    check_parity(256, "dp2_cp4", "ring")
+    c, _ = run(256, "dp2_cp4", "ring")
+    perms = [x for x in c.colls if x.kind == "collective-permute"]
+    print(collectives.format_audit(c.colls))
+    assert all(x.mesh_axes == ("context",) for x in perms)
+    fwd, bwd = attention.ring_permutes(4)
+    assert sum(x.executions for x in perms) == c.built.cfg.model.n_layers * (fwd + bwd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2_cp4", "fsdp2_cp2_tp2"])
+@pytest.mark.parametrize("impl", ["ring", "allgather", "alltoall"])
+def test_variants_match_unsplit(layout, impl):
+    check_parity(256, layout, impl)

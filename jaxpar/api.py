@@ -79,24 +79,24 @@ class Job:
     def batch(self, step: int, split: str = "train") -> dict:
         """The global batch of `step` from the config's data source, sharded for the step
         (each process loads only its rows; a pure function of the seed and step)."""
-        import jax
-
         from jaxpar.data import sources as data_lib
+        from jaxpar.worker import groups
 
+        index, count = groups.batch_rows()  # a replica group's rows: its share of the batch
         local = data_lib.host_batch(
             self.source, step=step, global_batch=self.cfg.data.global_batch,
-            seed=self.cfg.data.seed, process_index=jax.process_index(),
-            process_count=jax.process_count(), split=split,
+            seed=self.cfg.data.seed, process_index=index, process_count=count, split=split,
         )  # fmt: skip
-        return data_lib.to_device(local, self.program.batch_shardings, self.cfg.data.global_batch)
+        return self.device_batch(local)
 
     def device_batch(self, host_rows: dict) -> dict:
         """A global batch from this process's rows of your own data (numpy arrays whose first
         dimension is global_batch / process_count), sharded for the step."""
         from jaxpar.data import sources as data_lib
+        from jaxpar.worker import groups
 
-        return data_lib.to_device(host_rows, self.program.batch_shardings,
-                                  self.cfg.data.global_batch)  # fmt: skip
+        rows = self.cfg.data.global_batch // groups.group_count()  # a replica group's share
+        return data_lib.to_device(host_rows, self.program.batch_shardings, rows)
 
     def metrics_line(
         self, step: int, metrics: dict, seconds: float, state: dict | None = None
@@ -148,6 +148,7 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     from jaxpar.engine.mesh import make_mesh
     from jaxpar.engine.rules import validate_rules
     from jaxpar.parallel.program import build_program
+    from jaxpar.worker import groups
     from jaxpar.worker.training import make_source, supervised_layout
 
     # after an elastic shrink, `jaxpar launch`'s mesh and microbatches (as for `fit`)
@@ -156,8 +157,9 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     validate_rules(layout.acts)
     m = make_mesh(layout.mesh, list(devices) if devices is not None else None)
     source = make_source(cfg)
-    spec = data_lib.batch_spec(source, cfg.data.global_batch)
-    program = build_program(cfg, m, layout.params, layout.acts, spec, source.kind)
+    gcfg = groups.group_cfg(cfg)  # under `jaxpar launch --groups`: a group's share of the batch
+    spec = data_lib.batch_spec(source, gcfg.data.global_batch)
+    program = build_program(gcfg, m, layout.params, layout.acts, spec, source.kind)
     raw = program.train_step
 
     def train_step(state, batch):
@@ -249,19 +251,17 @@ class CheckpointManager:
         import dataclasses
         import time
 
-        import jax
-
         from jaxpar.rundir.writer import RunDir
-        from jaxpar.worker import training
+        from jaxpar.worker import groups, training
 
         c = job.cfg.ckpt
-        every = (c.local_every or -1) if local else 0
+        every = (c.local_every or -1) if local and not groups.active() else 0
         ckpt = dataclasses.replace(
             c, keep=c.keep if keep is None else keep, local_every=every,
             use_async=c.use_async if use_async is None else use_async,
         )  # fmt: skip
         inc = os.environ.get(bootstrap.ENV_INCARNATION)
-        run = RunDir(run_dir, jax.process_index(), int(inc) if inc else None, create=False)
+        run = RunDir(run_dir, groups.run_process_index(), int(inc) if inc else None, create=False)
         self._session = s = job._loop_session(run)
         s.cfg = dataclasses.replace(job.cfg, ckpt=ckpt)
         self._t0 = time.time()
@@ -339,7 +339,7 @@ class CheckpointManager:
         `restore` (with its tier) and `compiled`."""
         import concurrent.futures
 
-        from jaxpar.worker import training
+        from jaxpar.worker import groups, training
 
         if self._tiers is None:
             raise ValueError(
@@ -351,8 +351,14 @@ class CheckpointManager:
             state, compiled = training.restore_and_compile(self._session, self._tiers, pool)
         finally:
             pool.shutdown(wait=False)  # after an error, do not wait for a compile nobody needs
+        if groups.active():  # a replica group: the other groups' live state when they train
+            link = groups.GroupLink(compiled, self._job.program.sync_every, self.run)
+            self._session.link = self._job._view.link = link  # `quorum` in metrics lines
+            state = link.join(state)
+            self._job.train_step = link.train_step
+        else:
+            self._job._use_compiled(compiled)
         training.arm_faults(self._inject, self._tiers)
-        self._job._use_compiled(compiled)
         self._last = int(state["step"])
         return state
 
@@ -377,8 +383,9 @@ class CheckpointManager:
             raise ValueError(
                 "after_step() saves through a job's tiers: CheckpointManager(run_dir, job=job)"
             )
+        link = self._session.link  # replica groups: the quorum's lowest group saves
         for tier in reversed(self._tiers):  # the persistent checkpoint, then the local snapshot
-            if tier.due(step):
+            if tier.due(step) and (link is None or link.leads):
                 tier.save(step, state)
         self._last = step
 
@@ -413,6 +420,8 @@ class CheckpointManager:
         try:
             for tier in reversed(self._tiers):  # the persistent checkpoints first: final state
                 tier.close(complete=complete, failed=failed)
+            if self._session.link is not None:
+                self._session.link.close(complete=complete)
         finally:
             self._release()
         if failed or self._stopping:

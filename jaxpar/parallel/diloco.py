@@ -92,7 +92,14 @@ class DiLoCo(Strategy):
 
     def sync_step(self, state: dict) -> dict:
         """Average the replicas, an outer step on the anchor, every replica reset to it."""
-        mean = jax.tree.map(lambda r: jnp.mean(r, axis=0), state["replicas"])
+        return self.outer_step(state, self.replica_mean(state))
+
+    def replica_mean(self, state: dict) -> dict:
+        """The replicas' mean parameters (replica groups average it across groups too)."""
+        return jax.tree.map(lambda r: jnp.mean(r, axis=0), state["replicas"])
+
+    def outer_step(self, state: dict, mean: dict) -> dict:
+        """The outer step from the replicas' `mean`; every replica reset to the new anchor."""
         delta = jax.tree.map(jnp.subtract, state["params"], mean)  # the outer "gradient"
         updates, outer = self.outer_tx.update(delta, state["outer"], state["params"])
         anchor = optax.apply_updates(state["params"], updates)

@@ -42,6 +42,7 @@ GROUP_FAILURE = "group_failure"
 GROUP_RESTART = "group_restart"
 GROUP_JOINED = "group_joined"
 QUORUM = "quorum_changed"
+GROUP_STOPPED = "group_stopped"
 
 
 def default_min_groups(groups: int) -> int:
@@ -80,6 +81,8 @@ class Hub:
         self.alive: set[int] = set()  # groups the supervisor runs now
         self.joined: dict[int, int] = {}  # group -> first step it takes part in
         self.pending: dict[int, dict[tuple[int, int], tuple[dict, list]]] = {}
+        # DiLoCo: a joining group's processes that take a step's mean without giving one
+        self.listeners: dict[int, set[tuple[int, int]]] = {}
         self.transfers: dict[int, dict] = {}  # joining group -> {"donor", "step", "sent": set}
         self.started = False  # a step has been released
         self.next_step: int | None = None  # the first step not released yet
@@ -157,6 +160,14 @@ class Hub:
                 self._release(step)
         elif kind == "state":
             self._forward_state(who, header, arrays)
+        elif kind == "listen":  # DiLoCo: the donor's replicas are this group's; not counted
+            step = int(header.get("step", -1))
+            if self.joined.get(g) != step:
+                raise WireError(f"group {g} listens to step {step}, not its first")
+            self.listeners.setdefault(step, set()).add(who)
+            if all((g, r) in self.listeners[step] for r in range(self.per_group)):
+                self.joined[g] = step + 1
+                self._release(step)
         elif kind == "bye":
             self.finished.add(g)
         else:
@@ -177,34 +188,40 @@ class Hub:
         if not self.started and self.next_step in (None, step):
             self.next_step = step
             self.joined[g] = step
-            for k in range(self.per_group):
-                self._send((g, k), {"kind": "start", "step": step})
+            for k in range(self.per_group):  # the job's start: every group that runs takes part
+                self._send((g, k), {"kind": "start", "step": step, "quorum": sorted(self.alive)})
             self.event(GROUP_JOINED, group=g, step=step, transfer=False)
             for s in sorted(self.pending):
                 self._release(s)
             return
-        # a live group's state at the first step not released yet: the donor (the lowest
-        # group in that step's quorum) sends it while that step waits for this group too
+        # a live group's state at its next step not released yet: the donor (the lowest live
+        # group) sends it while that step waits, for this group too
         q = self._quorum(self.next_step) if self.next_step is not None else []
         if not q:
             self._drop(g, f"no live group to give group {g} its state")
             self.void.append(g)
             return
-        s = self.next_step
-        self.transfers[g] = {"donor": q[0], "step": s, "asked": set(), "sent": set(),
+        self.transfers[g] = {"donor": q[0], "step": None, "asked": set(), "sent": set(),
                              "t": time.time()}  # fmt: skip
-        self.joined[g] = s
-        for k in range(self.per_group):
-            if (q[0], k) in self.pending.get(s, {}):
-                self._ask_state((q[0], k), s)
+        for s in sorted(self.pending):
+            for k in range(self.per_group):
+                if (q[0], k) in self.pending[s]:
+                    self._ask_state((q[0], k), s)
 
     def _ask_state(self, who: tuple[int, int], step: int) -> None:
         """Ask donor process `who`, waiting for the average of `step`, for its state."""
-        for t in self.transfers.values():
-            if t["donor"] == who[0] and t["step"] == step and who[1] not in t["asked"]:
+        ask = False
+        for j, t in self.transfers.items():
+            if t["donor"] != who[0]:
+                continue
+            if t["step"] is None:  # the donor's first step from now: the joining group's too
+                t["step"] = step
+                self.joined[j] = step
+            if t["step"] == step and who[1] not in t["asked"]:
                 t["asked"].add(who[1])
-                self._send(who, {"kind": "give_state", "step": step})
-                return
+                ask = True
+        if ask:  # one copy of the state serves every group joining at this step
+            self._send(who, {"kind": "give_state", "step": step})
 
     def _quorum(self, step: int) -> list[int]:
         return sorted(g for g, first in self.joined.items() if first <= step and g in self.alive)
@@ -235,7 +252,11 @@ class Hub:
                 mean.append(total.astype(arrays[0].dtype))
             for g in q:
                 self._send((g, k), {"kind": "averaged", "step": step, "quorum": q}, mean)
+            for j, r in self.listeners.get(step, ()):
+                if r == k:
+                    self._send((j, r), {"kind": "averaged", "step": step, "quorum": q}, mean)
         del self.pending[step]
+        self.listeners.pop(step, None)
         self.next_step = step + 1
         self.started = True
         self.released += 1
@@ -248,13 +269,10 @@ class Hub:
     def _forward_state(self, who: tuple[int, int], header: dict, arrays: list) -> None:
         g, k = who
         for j, t in list(self.transfers.items()):
-            if t["donor"] != g or k in t["sent"]:
-                continue
-            if int(header.get("step", -1)) != t["step"]:
-                self._drop(j, f"group {g} sent the state of step {header.get('step')}")
+            if t["donor"] != g or k in t["sent"] or header.get("step") != t["step"]:
                 continue
             head = {"kind": "state", "step": t["step"], "counts": header.get("counts"),
-                    "checksum": header.get("checksum")}  # fmt: skip
+                    "checksum": header.get("checksum"), "quorum": self._quorum(t["step"])}  # fmt: skip
             self._send((j, k), head, arrays)
             t["sent"].add(k)
             if len(t["sent"]) == self.per_group:
@@ -382,8 +400,7 @@ class ReplicaSupervisor(JobState):
                        max_restarts=self.opts.max_restarts, groups=self.opts.groups,
                        min_groups=self.opts.min_groups, command=shlex.join(self.opts.command),
                        pid=os.getpid())  # fmt: skip
-            opts = Options(**{**vars(self.opts), "spares": False, "standby": False})
-            self.groups = [ReplicaGroup(opts, self.waker, g, self.hub.address, key)
+            self.groups = [ReplicaGroup(self.opts, self.waker, g, self.hub.address, key)
                            for g in range(self.opts.groups)]  # fmt: skip
             for g in range(self.opts.groups):
                 self._start(g)
@@ -395,6 +412,8 @@ class ReplicaSupervisor(JobState):
         finally:
             for grp in self.groups:
                 grp.kill_all()
+                grp.release_spares()
+                grp.release_standby()
             if self.hub is not None:
                 self.hub.close()
             for s, h in handlers.items():
@@ -404,6 +423,9 @@ class ReplicaSupervisor(JobState):
         return code
 
     def _start(self, g: int) -> None:
+        """Start group `g`: its standby group where one is ready (--standby), else its spares
+        (pre-started processes, imports done), else cold."""
+        grp = self.groups[g]
         port = free_port(self.opts.bind)
         ids = list(range(g * self.per_group, (g + 1) * self.per_group))
         spec = {"incarnation": self.incarnation, "coordinator": join_address("127.0.0.1", port),
@@ -411,12 +433,26 @@ class ReplicaSupervisor(JobState):
                 "process_ids": ids, "attempt": self.group_restarts, "faults": self.opts.faults,
                 "collective_timeout": self.opts.collective_timeout or 600.0,
                 "run_lock": self.lock.token}  # fmt: skip
+        path = "spares" if len(grp.spares) >= len(ids) else "cold"
+        if grp.standby_ready():  # built for this group's next start: its own world, warmed up
+            spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
         assert self.hub is not None
         self.hub.running(g)
-        self.groups[g].start(spec)
+        grp.start(spec)
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
-                   process_ids=ids, coordinator=spec["coordinator"], path="cold",
-                   pids=[self.groups[g].procs[p].pid for p in ids])  # fmt: skip
+                   process_ids=ids, coordinator=spec["coordinator"], path=path,
+                   pids=[grp.procs[p].pid for p in ids])  # fmt: skip
+
+    def _mark_joined(self) -> None:
+        """A group the hub has admitted is past its start-up: its spares and standby group may
+        be built now (they would slow its start-up before)."""
+        assert self.hub is not None
+        with self.hub.cv:
+            joined = set(self.hub.joined) & self.hub.alive
+        for g in joined:
+            grp = self.groups[g]
+            grp.seen |= {runlog.WorkerEvent.START, runlog.WorkerEvent.COMPILED}
+            grp.stepping = True
 
     def _loop(self) -> tuple[str, int]:
         assert self.hub is not None
@@ -425,6 +461,7 @@ class ReplicaSupervisor(JobState):
                 say("interrupted: stopping the replica groups")
                 return "interrupted", 130 if self.stop_request == signal.SIGINT else 1
             failed: dict[int, str] = {}
+            self._mark_joined()
             for g, grp in enumerate(self.groups):
                 for pid, rc in grp.poll():
                     if rc == 0:
@@ -446,8 +483,13 @@ class ReplicaSupervisor(JobState):
                     return out
             if len(self.done) == len(self.groups):
                 return "completed", 0
-            if self.done and not any(g in self.hub.alive for g in range(len(self.groups))
-                                     if g not in self.done):  # fmt: skip
+            with self.hub.cv:
+                waiting = [g for g in range(len(self.groups))
+                           if g not in self.done and g not in self.hub.joined]  # fmt: skip
+            if self.done and len(self.done) + len(waiting) == len(self.groups):
+                for g in waiting:  # restarted, still waiting for a state nobody will give now
+                    self.groups[g].stop(0.0)
+                    self.event(GROUP_STOPPED, group=g, why="the other groups finished the run")
                 return "completed", 0
             self.waker.wait(0.25)
 

@@ -213,7 +213,10 @@ def _abstract_batch(s: Session) -> dict:
 
 
 def compile_step(s: Session):
-    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds)."""
+    """AOT-compile the train step for the abstract state and batch; returns (compiled, seconds).
+    A replica group's step is its two halves (groups.compile_halves)."""
+    if groups.active():
+        return groups.compile_halves(s.program, _abstract_batch(s))
     t0 = time.time()
     lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s))
     compiled, _ = compile_cache.compile(lowered, "train_step")
@@ -425,7 +428,8 @@ def warm_step(s: Session, compiled) -> None:
         state = jax.tree.map(zeros, s.program.abstract_state)
         t0 = time.time()
         warm_replica_check(state, s.mesh)  # what a restore runs on the state it read
-        jax.block_until_ready(compiled(state, device_batch(s, 0)))
+        step = compiled[0] if groups.active() else compiled  # a group's gradients half
+        jax.block_until_ready(step(state, device_batch(s, 0)))
         print(f"jaxpar: standby warm-up step ran ({time.time() - t0:.2f}s)", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - the standby still goes, its first step is colder
         print(f"jaxpar: standby warm-up step skipped ({type(e).__name__}: {e})", file=sys.stderr)
@@ -502,7 +506,7 @@ def _run_locked(
     try:
         state, compiled = restore_and_compile(s, tiers, pool, early)
         if groups.active():  # the other groups' live state, when they are training already
-            s.link = groups.GroupLink(s.program, s.mesh)
+            s.link = groups.GroupLink(compiled, s.program.sync_every, s.run)
             state = s.link.join(state)
         arm_faults(inject, tiers)
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None
@@ -536,8 +540,6 @@ def restore_and_compile(
     the abstract state, and orbax's reads release the GIL. Then the `compiled` event, the tiers
     ready, and a barrier: the first step's collectives start together. `early`: a standby's
     step, compiled before its "go"."""
-    if groups.active():  # a replica group runs the step in two halves (GroupLink), not this
-        early = (None, 0.0)
     step_program = pool.submit(compile_step, s) if early is None else None
     warm = [pool.submit(t.warm_up) for t in tiers]
     state, _ = restore_newest(tiers, s.program.init)
@@ -630,13 +632,12 @@ def _loop(s, persistent: PersistentTier, hooks: Hooks, compiled, state, t_start)
         state = ctx.state
         batch = device_batch(s, step)
         t0 = time.time()
-        if s.link is not None:  # a replica group: the quorum's average between two halves
-            state, m = s.link.step(state, batch, step)
-            s.run.process_index = groups.run_process_index(leads=s.link.leads)
+        if s.link is not None:  # a replica group: averaged across the quorum's groups
+            state, m = s.link.train_step(state, batch)
         else:
             state, m = compiled(state, batch)
-        if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
-            state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
+            if s.program.sync_every and (step + 1) % s.program.sync_every == 0:
+                state = s.program.sync_step(state)  # DiLoCo: average replicas, outer step
         m = jax.device_get(m)
         line = metrics_line(s, step + 1, m, time.time() - t0, state)
         if not np.isfinite(line["loss"]):

@@ -114,3 +114,37 @@ def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
             _connect(hub, 1, key=b"z" * 32)
     finally:
         hub.close()
+
+
+def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
+    """With DiLoCo a joining group gets the donor's state before an outer step and takes that
+    step's mean without giving one (its replicas are the donor's: counting them would weigh the
+    donor twice); it is in the quorum from the next outer step on."""
+    hub, events = _hub(2, min_groups=1)
+    try:
+        w1 = _connect(hub, 1)
+        hub.alive.discard(0)  # group 0 is restarting: group 1 trains alone
+        w1.send({"kind": "ready", "step": 0})
+        assert w1.recv()[0]["kind"] == "start"
+        _average(w1, 3, np.array([2.0], np.float32))
+        assert w1.recv()[0]["quorum"] == [1]
+        hub.running(0)
+        w0 = _connect(hub, 0)
+        w0.send({"kind": "ready", "step": 0})
+        _average(w1, 7, np.array([4.0], np.float32))
+        assert w1.recv()[0] == {"kind": "give_state", "step": 7, "arrays": []}
+        state = [np.array([1.0], np.float32)]
+        w1.send({"kind": "state", "step": 7, "counts": [1],
+                 "checksum": group_wire.checksum(state)}, state)  # fmt: skip
+        assert w0.recv()[0]["step"] == 7
+        w0.send({"kind": "listen", "step": 7})
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [1] and mean.tolist() == [4.0]
+        _average(w0, 11, np.array([1.0], np.float32))
+        _average(w1, 11, np.array([3.0], np.float32))
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [0, 1] and mean.tolist() == [2.0]
+    finally:
+        hub.close()

@@ -120,6 +120,11 @@ def check_model(trace: Callable[[], object], mesh: jax.sharding.Mesh, act_rules:
         axis, ring = ring_of_seq()
         if ring == 1:
             return
+        if mesh.shape.get("pipeline", 1) > 1:
+            raise ValueError(
+                f"the sequence split over {axis}={ring} does not combine with pipeline stages; "
+                f"use pipeline=1 or {axis}=1"
+            )
         with recording() as calls:
             trace()
     if not calls:

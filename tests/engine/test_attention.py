@@ -144,3 +144,9 @@ def test_gpt_seq_len_not_divisible_by_the_ring_is_refused_at_build():
                               data=dataclasses.replace(cfg.data, seq_len=64))  # fmt: skip
     with pytest.raises(ValueError, match=r"attention dropout .* model.dropout=0 or use context=1"):
         _build(cfg, "data=2,context=4")
+
+
+def test_context_with_pipeline_stages_is_refused():
+    cfg = resolve_recipe("gpt_tiny")
+    with pytest.raises(ValueError, match=r"does not combine with pipeline stages; use pipeline=1"):
+        _build(cfg, "pipeline=2,context=4")

@@ -195,6 +195,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(json.dumps(inspect_json(cfg, preset, tmp), indent=1))
         else:
             print(inspect(cfg, preset, tmp, audit=not args.no_audit))
+        if args.doctor:
+            from jaxpar.tools import doctor
+
+            print("\n".join(doctor.doctor_lines(doctor.doctor(cfg, preset, tmp))))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from jaxpar.worker import bootstrap
+
+    bootstrap.configure_devices()
+    from jaxpar.config import apply_overrides, resolve_recipe, validate
+    from jaxpar.tools.tune import tune
+
+    cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
+    tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out)
     return 0
 
 
@@ -599,7 +615,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the mesh, the compiled step's "
                      "per-device memory (arguments, outputs, temps, peak bytes) and collectives "
                      "as JSON")  # fmt: skip
+    ins.add_argument("--doctor", action="store_true", help="map the partitioner's involuntary "
+                     "rematerializations to source lines and rules, propose a verified rule "
+                     "change; the largest collectives with their source lines")  # fmt: skip
     ins.set_defaults(func=cmd_inspect)
+    tun = sub.add_parser("tune", help="rank the layouts of N devices by predicted step time "
+                         "(compiled programs on a hardware profile)")  # fmt: skip
+    tun.add_argument("--recipe", default="gpt_tiny", help="recipe name or module:function")
+    tun.add_argument("--devices", type=_int_at_least(1), required=True, help="devices to lay out")
+    tun.add_argument("--hardware", default="cpu", help="profile: h100x8, h200x8, v5e-8, v5p-32, "
+                     "or cpu (measured on this machine; default)")  # fmt: skip
+    tun.add_argument("--measure", type=_int_at_least(0), default=0, metavar="K",
+                     help="run K layouts (the top and a spread) here and compare")  # fmt: skip
+    tun.add_argument("--top", type=_int_at_least(1), default=10, help="rows printed (default 10)")
+    tun.add_argument("--out", default=None, help="write the result as JSON to this file")
+    tun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value (repeatable)")  # fmt: skip
+    tun.set_defaults(func=cmd_tune)
     from jaxpar.bench import harness
 
     suites = "suites (rough time on a 2-core CPU host, full and --quick):\n" + harness.describe()

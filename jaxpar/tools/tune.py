@@ -1,0 +1,575 @@
+"""`jaxpar tune`: rank the layouts of N devices by a step time predicted from compiled programs.
+
+    jaxpar tune --recipe gpt_tiny --devices 8 [--hardware cpu] [--measure 8] [--top 10] [--out F]
+
+1. Enumerate: every way of writing N as a product of the mesh axes the model supports
+   (jaxpar.engine.mesh.AXES; an axis no rule of the model's arrays uses is pruned with that
+   reason), x the model's rematerialisation choices x gradient-accumulation microbatches x the
+   pipeline schedules of the config (`pipeline.schedule`'s allowed values) where pipeline > 1.
+   What cannot work is pruned with a reason: the batch does not split, a parameter does not
+   divide, too few layers for the stages.
+2. Compile: each mesh at the base settings, then the setting variants of the best meshes (and
+   of any that does not fit), ahead of time for N devices. From each compiled program: memory per
+   device (arguments, outputs, temporaries), FLOPs per device, collective bytes per mesh axis
+   (jaxpar.engine.collectives), involuntary rematerializations (jaxpar.tools.doctor).
+3. Predict on a hardware profile (jaxpar.tools.hardware): compute = FLOPs / (peak x efficiency);
+   each axis's communication = wire bytes / bandwidth of the links it crosses + collectives x
+   latency. Overlap rule: gradient traffic over the batch axes (data, fsdp) hides under the
+   backward pass up to `overlap` x compute; every other axis's traffic is on the critical path;
+   a pipeline adds its bubble, (p - 1) / (m + p - 1) of the compute for the fill-drain schedules.
+   A layout whose memory exceeds the profile's does not fit and ranks last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxpar.config import RANGES, TrainConfig, apply_overrides, validate
+from jaxpar.engine import collectives
+from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, MeshSpec, mesh_text
+from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
+from jaxpar.tools import doctor, hardware
+from jaxpar.worker.training import device_batch, setup
+
+REMAT_CHOICES = ("none", "dots", "block")  # the model's own check prunes the ones it lacks
+ACCUMULATION = (1, 2)  # train.microbatches tried
+VARIANT_MESHES = 3  # meshes whose setting variants are compiled (plus any that does not fit)
+PIPELINE = "pipeline"
+
+
+@dataclass
+class Layout:
+    sizes: dict[str, int]
+    settings: dict[str, object]
+    fits: bool = True
+    memory: dict = field(default_factory=dict)
+    flops: float = 0.0
+    axis_bytes: dict[str, float] = field(default_factory=dict)
+    axis_count: dict[str, int] = field(default_factory=dict)
+    remats: int = 0
+    split: dict[str, float] = field(default_factory=dict)
+    predicted_step_s: float = math.inf
+    bottleneck: str = ""
+    reason: str = ""
+    measured_step_s: float | None = None
+    compile_s: float = 0.0
+    kernels: int = 0  # kernels one step launches per device (loop bodies x trip count)
+
+    @property
+    def mesh(self) -> str:
+        live = {a: n for a, n in self.sizes.items() if n > 1}
+        return mesh_text(live or {"data": 1})
+
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.settings.items()]
+
+    def label(self) -> str:
+        return f"{self.mesh} {' '.join(self.overrides())}".strip()
+
+    def command(self, recipe: str) -> str:
+        sets = "".join(f" --set {o}" for o in self.overrides())
+        return f"jaxpar train --recipe {recipe} --mesh {self.mesh}{sets}"
+
+    def record(self) -> dict:
+        out = {
+            "mesh": self.mesh, "settings": self.settings, "fits": self.fits,
+            "predicted_step_s": self.predicted_step_s, "memory_bytes": self.memory.get("peak") or 0,
+            "memory": self.memory, "flops_per_device": self.flops,
+            "collective_bytes": self.axis_bytes, "involuntary_remats": self.remats,
+            "time_split_s": self.split, "bottleneck": self.bottleneck, "reason": self.reason,
+        }  # fmt: skip
+        if self.measured_step_s is not None:
+            out["measured_step_s"] = self.measured_step_s
+        return out
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered k-tuples of positive ints whose product is n."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in _divisors(n) for rest in factorizations(n // d, k - 1)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def supported_axes(cfg: TrainConfig, probe) -> tuple[list[str], dict[str, str]]:
+    """Mesh axes the model can use, and a reason for each one it cannot. `probe(sizes)` builds
+    the program for a 2-device mesh on one axis and returns its parameter shardings (or raises
+    ValueError with the model's reason)."""
+    ok, pruned = [], {}
+    for a in AXES:
+        if a in BATCH_AXES:
+            ok.append(a)
+            continue
+        act_axes = {x for _, axes in ACT_RULES for x in _as_tuple(axes)}
+        try:
+            specs = probe({a: 2})
+        except ValueError as e:
+            pruned[a] = f"axis {a}: {e}"
+            continue
+        if a in specs or (a in act_axes and a != PIPELINE):
+            ok.append(a)
+        else:
+            pruned[a] = f"axis {a}: no rule places any of {cfg.name}'s arrays on it"
+    return ok, pruned
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def setting_variants(cfg: TrainConfig, sizes: dict[str, int]) -> tuple[dict, list[dict]]:
+    """(base settings, the variants that change one knob) of a mesh."""
+    base: dict[str, object] = {}
+    variants: list[dict] = []
+    if hasattr(cfg.model, "remat"):
+        base["model.remat"] = "none"
+        variants += [{"model.remat": r} for r in REMAT_CHOICES if r != "none"]
+    base["train.microbatches"] = 1
+    variants += [{"train.microbatches": m} for m in ACCUMULATION if m != 1]
+    p = sizes.get(PIPELINE, 1)
+    if p > 1:
+        base["pipeline.schedule"] = "gpipe"
+        base["pipeline.microbatches"] = p
+        variants += [{"pipeline.schedule": s} for s in RANGES["pipeline.schedule"] if s != "gpipe"]
+        variants.append({"pipeline.microbatches": 2 * p})
+    return base, [{**base, **v} for v in variants]
+
+
+def check_layout(cfg: TrainConfig, sizes: dict[str, int], settings: dict) -> str | None:
+    """Why the layout cannot work, before compiling (None: it may)."""
+    ways = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+    batch = cfg.data.global_batch
+    if batch % ways:
+        return f"global batch {batch} does not split {ways} ways over {'x'.join(BATCH_AXES)}"
+    rows = batch // ways
+    mb = int(settings.get("train.microbatches", 1))
+    if rows % mb:
+        return f"batch too small: {rows} rows per replica for {mb} microbatches"
+    p = sizes.get(PIPELINE, 1)
+    if p > 1:
+        layers = getattr(cfg.model, "n_layers", None)
+        if layers is None:
+            return "pipeline: the model has no stacked layers"
+        m = int(settings.get("pipeline.microbatches", p))
+        reps = (
+            2
+            if str(settings.get("pipeline.schedule", "")).startswith(("circular", "interl"))
+            else 1
+        )
+        if layers % (p * reps):
+            return f"pipeline: {layers} layers do not split into {p} stages x {reps} groups"
+        if (rows // mb) % m:
+            return f"batch too small: {rows // mb} rows per replica for {m} pipeline microbatches"
+    return None
+
+
+def apply(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    overrides = [f"{k}={v}" for k, v in settings.items()]
+    sched = str(settings.get("pipeline.schedule", ""))
+    if sched.startswith(("circular", "interl")):
+        overrides.append("pipeline.repeats=2")
+    return validate(apply_overrides(cfg, overrides))
+
+
+# --------------------------------------------------------------------------- compile and predict
+
+
+def compile_layout(cfg: TrainConfig, lay: Layout, devices, run_dir: str):
+    """Compile the layout's step; fill memory, FLOPs, bytes per axis, remats. Returns
+    (session, compiled)."""
+    preset = Preset(MeshSpec(**{a: lay.sizes.get(a, 1) for a in AXES}), PARAM_RULES, ACT_RULES)
+    t0 = time.perf_counter()
+    s = setup(apply(cfg, lay.settings), preset, run_dir, devices=devices, create=False)
+    lowered = doctor.lower_step(s)
+    compiled, err = doctor.compile_warned(lowered)
+    lay.compile_s = time.perf_counter() - t0
+    lay.remats = len(doctor.parse_warnings(err))
+    lay.kernels = kernel_count(compiled.as_text())
+    lay.memory = collectives.memory(compiled)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    # Cost analysis counts a loop body once: the model's FLOPs split evenly are a floor.
+    floor = (s.flops_per_step or 0.0) / len(devices)
+    lay.flops = max(float(cost.get("flops", 0.0)), floor)
+    for c in collectives.audit(compiled, s.mesh):
+        key = ",".join(c.mesh_axes) or "-"
+        lay.axis_bytes[key] = lay.axis_bytes.get(key, 0.0) + c.wire_bytes * c.executions
+        lay.axis_count[key] = lay.axis_count.get(key, 0) + c.executions
+    return s, compiled
+
+
+_TRIVIAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+
+
+def kernel_count(hlo: str) -> int:
+    """Kernels an optimised module launches per run: the instructions of the computations that
+    run on their own (not fusion bodies, reducers or sort comparators), a while body's counted
+    trip-count times when XLA knows it."""
+    comps: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$", line)
+        if head and " = " not in line.split("(", 1)[0]:
+            current = head.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = [("call", f"calls=%{current}")]
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            m = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = (?:\([^()]*\)|\S+) ([\w\-]+)\((.*)$", line)
+            if m:
+                comps[current].append((m.group(1), m.group(2)))
+    memo: dict[str, int] = {}
+
+    def count(name: str, depth: int = 0) -> int:
+        if name in memo or depth > 50:
+            return memo.get(name, 0)
+        total = 0
+        for opcode, rest in comps.get(name, []):
+            if opcode == "while":
+                body = re.search(r"body=%([\w.\-]+)", rest)
+                trips = re.search(r"known_trip_count\W*n\W*(\d+)", rest)
+                if body:
+                    total += count(body.group(1), depth + 1) * (int(trips.group(1)) if trips else 1)
+                total += 1
+            elif opcode in ("call", "conditional", "async-start"):
+                for callee in re.findall(
+                    r"(?:calls|branch_computations|to_apply)=\{?%([\w.\-]+)", rest
+                ):
+                    total += count(callee, depth + 1)
+            elif opcode not in _TRIVIAL:
+                total += 1
+        memo[name] = total
+        return total
+
+    return count("__entry__")
+
+
+def crosses_hosts(axis: str, sizes: dict[str, int], island: int) -> bool:
+    """Whether an axis's groups leave an island: processes lie along HOST_AXES outermost first,
+    so an axis crosses when the product of it and the axes inside it exceeds the island."""
+    if axis not in HOST_AXES:
+        return False
+    inner = math.prod(sizes.get(a, 1) for a in AXES[AXES.index(axis) :])
+    return inner > island
+
+
+def predict(lay: Layout, prof: hardware.Profile) -> None:
+    """Step time, its split, the bottleneck and a one-line reason (overlap rule: module doc)."""
+    compute = lay.flops / (prof.peak_flops * prof.efficiency)
+    split = {"compute": compute}
+    if prof.op_s or prof.step_s:
+        split["overhead"] = lay.kernels * prof.op_s + prof.step_s
+    hidden_budget = prof.overlap * compute
+    exposed = 0.0
+    for key, wire in sorted(lay.axis_bytes.items()):
+        axes = key.split(",")
+        bw = (
+            prof.inter_bw
+            if any(crosses_hosts(a, lay.sizes, prof.island) for a in axes)
+            else prof.intra_bw
+        )
+        t = wire / bw + lay.axis_count.get(key, 0) * prof.latency_s
+        split[f"comm:{key}"] = t
+        if set(axes) <= set(BATCH_AXES):
+            hide = min(t, hidden_budget)
+            hidden_budget -= hide
+            t -= hide
+        exposed += t
+    p = lay.sizes.get(PIPELINE, 1)
+    bubble = 0.0
+    if p > 1:
+        m = int(lay.settings.get("pipeline.microbatches", p))
+        v = (
+            2
+            if str(lay.settings.get("pipeline.schedule", "")).startswith(("circular", "interl"))
+            else 1
+        )
+        bubble = compute * (p - 1) / (v * m + p - 1)
+        split["bubble"] = bubble
+    lay.split = split
+    lay.predicted_step_s = compute + exposed + bubble + split.get("overhead", 0.0)
+    lay.fits = (lay.memory.get("peak") or 0) <= prof.memory_bytes
+    parts = {k: v for k, v in split.items()}
+    top = max(parts, key=parts.get)
+    if not lay.fits:
+        lay.bottleneck = "memory"
+        lay.reason = f"needs {_gib(lay.memory['peak'])} per device, {prof.name} has {_gib(prof.memory_bytes)}"
+    elif top == "compute":
+        lay.bottleneck = "compute"
+        lay.reason = f"{lay.flops / 1e9:.2f} GFLOP per device; communication {sum(v for k, v in split.items() if k.startswith('comm')) * 1e3:.2f} ms"
+    elif top == "overhead":
+        lay.bottleneck = "kernel launches"
+        lay.reason = f"{lay.kernels} kernels per step: {split['overhead'] * 1e3:.2f} ms of overhead"
+    elif top == "bubble":
+        lay.bottleneck = "pipeline bubble"
+        lay.reason = f"{p} stages fill and drain: {bubble * 1e3:.2f} ms idle"
+    else:
+        key = top.split(":", 1)[1]
+        lay.bottleneck = f"{key} communication"
+        lay.reason = (
+            f"{lay.axis_bytes[key] / 1e6:.2f} MB sent per device in {lay.axis_count.get(key, 0)} "
+            f"collectives over {key}"
+        )
+    if lay.remats:
+        lay.reason += f"; {lay.remats} involuntary rematerialization(s): jaxpar inspect --doctor"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measure(s, compiled, steps: int = 5) -> float:
+    """Median wall time of `steps` steps after two warm-up steps, on this machine."""
+    state = s.program.init()
+    times = []
+    for i in range(steps + 2):
+        batch = device_batch(s, i)
+        t0 = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready((state, m))
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = np.asarray(ranks(a)), np.asarray(ranks(b))
+    if len(a) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure_picks(ranked: list[Layout], k: int) -> list[Layout]:
+    """The top ceil(k/2) predictions and a spread of the rest (evenly spaced ranks)."""
+    fits = [x for x in ranked if x.fits]
+    top = fits[: (k + 1) // 2]
+    rest = fits[len(top) :]
+    want = k - len(top)
+    if want <= 0 or not rest:
+        return top
+    idx = sorted({round(i * (len(rest) - 1) / max(want - 1, 1)) for i in range(want)})
+    return top + [rest[i] for i in idx]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: int = 0,
+         top: int = 10, out: str | None = None, log=print) -> dict:  # fmt: skip
+    """Enumerate, compile, predict, (measure), print and return the result dict."""
+    if devices < 1 or devices > jax.device_count():
+        raise ValueError(
+            f"--devices {devices}: this machine has {jax.device_count()} devices; use 1.."
+            f"{jax.device_count()} (more simulated CPU devices: XLA_FLAGS="
+            f"--xla_force_host_platform_device_count=N)"
+        )
+    if hardware_name not in hardware.names():
+        raise ValueError(
+            f"unknown hardware profile {hardware_name!r}; use one of {', '.join(hardware.names())}"
+        )
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise ValueError(f"--out {out}: its folder does not exist; create it or pick another path")
+    t_start = time.perf_counter()
+    devs = jax.devices()[:devices]
+    prof = hardware.get(hardware_name, devices)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = _run(cfg, devs, prof, measure_k, top, tmp, log)
+    result["wall_s"] = time.perf_counter() - t_start
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        log(f"\nwrote {out}")
+    return result
+
+
+def _probe(cfg, devs, run_dir):
+    def probe(sizes):
+        spec = MeshSpec(**{a: sizes.get(a, 1) for a in AXES})
+        s = setup(cfg, Preset(spec, PARAM_RULES, ACT_RULES), run_dir, devices=devs[:2],
+                  create=False)  # fmt: skip
+        return {
+            a
+            for leaf in jax.tree.leaves(s.program.abstract_state)
+            for entry in leaf.sharding.spec
+            for a in _as_tuple(entry)
+        }
+
+    return probe
+
+
+def _run(cfg, devs, prof, measure_k, top, tmp, log) -> dict:
+    n = len(devs)
+    axes, pruned_axes = supported_axes(cfg, _probe(cfg, devs, tmp)) if n > 1 else (["data"], {})
+    pruned: list[dict] = [{"mesh": "-", "settings": {}, "reason": r} for r in pruned_axes.values()]
+    meshes = []
+    for combo in factorizations(n, len(axes)):
+        sizes = dict(zip(axes, combo, strict=True))
+        meshes.append(sizes)
+    layouts: list[Layout] = []
+    sessions: dict[int, tuple] = {}
+
+    def try_compile(sizes, settings) -> Layout | None:
+        lay = Layout(sizes, settings)
+        why = check_layout(cfg, sizes, settings)
+        if why is None:
+            try:
+                sessions[id(lay)] = compile_layout(cfg, lay, devs, tmp)
+            except ValueError as e:
+                why = str(e).split("\n")[0]
+        if why is not None:
+            pruned.append({"mesh": lay.mesh, "settings": settings, "reason": why})
+            return None
+        predict(lay, prof)
+        layouts.append(lay)
+        log(f"  compiled {lay.label():60s} {lay.compile_s:5.1f}s  predicted "
+            f"{lay.predicted_step_s * 1e3:8.2f} ms")  # fmt: skip
+        return lay
+
+    log(f"# jaxpar tune: {cfg.name} on {n} devices, profile {prof.name}")
+    log(
+        f"axes: {', '.join(axes)}"
+        + (f" (pruned: {'; '.join(pruned_axes.values())})" if pruned_axes else "")
+    )
+    base_layouts = []
+    for sizes in meshes:
+        base, _ = setting_variants(cfg, sizes)
+        lay = try_compile(sizes, base)
+        if lay is not None:
+            base_layouts.append(lay)
+    if not base_layouts:
+        reasons = sorted({p["reason"] for p in pruned})
+        raise ValueError(
+            f"no valid layout of {cfg.name} on {n} devices: {reasons[0] if reasons else '?'}; "
+            f"try another --devices (a divisor of the global batch {cfg.data.global_batch})"
+        )
+    ranked = sorted(base_layouts, key=_key)
+    chosen = ranked[:VARIANT_MESHES] + [x for x in ranked[VARIANT_MESHES:] if not x.fits]
+    skipped = 0
+    for lay in base_layouts:
+        _, variants = setting_variants(cfg, lay.sizes)
+        if lay in chosen:
+            for v in variants:
+                try_compile(lay.sizes, v)
+        else:
+            skipped += len(variants)
+    ranked = sorted(layouts, key=_key)
+    if not any(x.fits for x in ranked):
+        raise ValueError(no_fit_message(cfg, ranked, prof))
+    result: dict = {
+        "recipe": cfg.name, "devices": n, "hardware": prof.as_dict(),
+        "hardware_source": hardware.SOURCES.get(prof.name, ""),
+        "overlap_rule": "batch-axis (data, fsdp) traffic hides under overlap x compute; other "
+        "axes are exposed; pipelines add (p-1)/(v*m+p-1) x compute; kernels x per-kernel time "
+        "and the per-step dispatch add on top",
+        "layouts": [x.record() for x in ranked], "pruned": pruned,
+        "not_compiled": f"{skipped} setting variants of meshes outside the best {VARIANT_MESHES} "
+        "(remat and accumulation trade memory for time; these fit without them)",
+        "winner_command": ranked[0].command(cfg.name),
+    }  # fmt: skip
+    if measure_k:
+        picks = measure_picks(ranked, measure_k)
+        log(f"\nmeasuring {len(picks)} layouts on this machine ...")
+        for lay in picks:
+            s, compiled = sessions[id(lay)]
+            lay.measured_step_s = measure(s, compiled)
+            log(f"  {lay.label():60s} predicted {lay.predicted_step_s * 1e3:8.2f} ms  measured "
+                f"{lay.measured_step_s * 1e3:8.2f} ms")  # fmt: skip
+        pred = [x.predicted_step_s for x in picks]
+        meas = [x.measured_step_s for x in picks]
+        best_pred = min(picks, key=lambda x: x.predicted_step_s)
+        result["spearman"] = spearman(pred, meas)
+        result["top1_ratio"] = best_pred.measured_step_s / min(meas)
+        result["layouts"] = [x.record() for x in ranked]
+    for line in table_lines(cfg, ranked, top, pruned, result):
+        log(line)
+    return result
+
+
+def no_fit_message(cfg: TrainConfig, ranked: list[Layout], prof: hardware.Profile) -> str:
+    """One line: the smallest memory any layout needed, and what would make it fit."""
+    small = min(ranked, key=lambda x: x.memory.get("peak") or 0)
+    return (
+        f"{cfg.name} fits no layout of {math.prod(small.sizes.values())} "
+        f"devices on {prof.name}: the smallest is {_gib(small.memory.get('peak') or 0)} per device "
+        f"({small.label()}) against {_gib(prof.memory_bytes)}; use more devices, "
+        f"model.remat=block, a smaller data.global_batch or a smaller model"
+    )
+
+
+def _key(x: Layout):
+    return (not x.fits, x.predicted_step_s)
+
+
+def table_lines(cfg, ranked: list[Layout], top: int, pruned: list[dict], result: dict) -> list[str]:
+    unit = getattr(cfg.model, "seq_len", 1) * cfg.data.global_batch
+    per = "tokens/s" if hasattr(cfg.model, "seq_len") else "samples/s"
+    out = ["", f"| # | mesh | settings | predicted ms | {per} | memory/device | fits | remats | "
+           "bottleneck | measured ms | reason |",
+           "|---:|---|---|---:|---:|---:|---|---:|---|---:|---|"]  # fmt: skip
+    for i, x in enumerate(ranked[:top], 1):
+        meas = f"{x.measured_step_s * 1e3:.2f}" if x.measured_step_s is not None else ""
+        sets = " ".join(f"{k.split('.')[-1]}={v}" for k, v in x.settings.items())
+        out.append(
+            f"| {i} | {x.mesh} | {sets} | {x.predicted_step_s * 1e3:.2f} | "
+            f"{unit / x.predicted_step_s:,.0f} | {x.memory.get('peak', 0) / 2**20:.1f} MiB | "
+            f"{'yes' if x.fits else 'no'} | {x.remats} | {x.bottleneck} | {meas} | {x.reason} |"
+        )
+    if len(ranked) > top:
+        out.append(f"({len(ranked) - top} more in --out)")
+    out += ["", f"pruned ({len(pruned)}):"]
+    seen = set()
+    for p in pruned:
+        line = (
+            f"- {p['mesh']} {' '.join(f'{k}={v}' for k, v in p['settings'].items())}: {p['reason']}"
+        )
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    remat = [x for x in ranked if x.remats]
+    out += ["", "## doctor", ""]
+    out.append(
+        "no layout has involuntary rematerializations"
+        if not remat
+        else "\n".join(f"- {x.label()}: {x.remats} involuntary rematerialization(s); "
+                       f"jaxpar inspect --recipe {cfg.name} --mesh {x.mesh} --doctor" for x in remat)
+    )  # fmt: skip
+    if "spearman" in result:
+        out += ["", f"measured {sum(x.measured_step_s is not None for x in ranked)} layouts: "
+                f"Spearman {result['spearman']:.3f}, top-1 ratio {result['top1_ratio']:.3f}"]  # fmt: skip
+    out += ["", f"winner: {result['winner_command']}"]
+    return out

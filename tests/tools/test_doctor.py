@@ -1,0 +1,123 @@
+"""`jaxpar inspect --doctor`: XLA's involuntary rematerializations captured while compiling,
+mapped to the array, the model's source line, the logical axes and the conflicting rules; a
+proposed rule change verified by compiling again; the built-in presets compile without any."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import pytest
+
+import jaxpar
+from jaxpar.config import apply_overrides, resolve_recipe, validate
+from jaxpar.engine.mesh import make_mesh
+from jaxpar.engine.rules import PARAM_RULES
+from jaxpar.meshes import PRESETS
+from jaxpar.tools import doctor
+
+WARNING = (
+    "W1204 13:24:44.667834   31548 spmd_partitioner.cc:656] [SPMD] Involuntary full "
+    "rematerialization. The compiler cannot go from sharding {devices=[1,1,2,4]<=[2,2,2]T(1,0,2) "
+    "last_tile_dim_replicate} to {devices=[4,1,1,2]<=[8] last_tile_dim_replicate} efficiently for "
+    "HLO operation %gather = f32[32,64,64]{2,1,0} gather(%all-gather, %all-gather), "
+    "offset_dims={2}, sharding={devices=[1,1,2,4]<=[2,2,2]T(1,0,2) last_tile_dim_replicate}. As "
+    "the last resort, SPMD will replicate the tensor and then partition it."
+)
+# The token-embedding conflict the default rules had before ("vocab", ("tensor", "fsdp")): the
+# table's `embed` columns on fsdp while the lookup's output wants fsdp on its batch rows.
+PLANTED = tuple(r for r in PARAM_RULES if r != ("vocab", ("tensor", "fsdp")))
+
+
+def small_gpt(**extra):
+    """gpt_tiny with one layer: the same arrays and rules, a quicker compile."""
+    sets = ["model.n_layers=1", *(f"{k}={v}" for k, v in extra.items())]
+    return validate(apply_overrides(resolve_recipe("gpt_tiny"), sets))
+
+
+def test_stderr_of_the_c_side_is_captured():
+    with doctor.captured_stderr() as err:
+        os.write(2, b"from C: Involuntary full rematerialization\n")
+    assert err == ["from C: Involuntary full rematerialization\n"]
+
+
+def test_warning_and_shardings_are_read():
+    (w,) = doctor.parse_warnings("other line\n" + WARNING + "\n")
+    assert (w["name"], w["opcode"], w["shape"]) == ("gather", "gather", "f32[32,64,64]{2,1,0}")
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    src, dst = doctor.sharding_axes(w["src"], mesh), doctor.sharding_axes(w["dst"], mesh)
+    assert src == ((), (), ("fsdp",))
+    assert dst == (("data", "fsdp"), (), ())
+    assert doctor._moved(src, dst) == ("fsdp",)
+
+
+def test_a_planted_conflicting_rule_is_mapped_to_array_line_axes_and_rules(tmp_path):
+    preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
+    result = doctor.doctor(small_gpt(), preset, str(tmp_path), propose_fixes=False)
+    remats = result["remats"]
+    assert remats, "the planted rule must make XLA rematerialize"
+    tok = [r for r in remats if any(p == "['params']['tok_emb']" for p, _ in r.arrays)]
+    assert tok, [r.lines() for r in remats]
+    r = tok[0]
+    assert r.source.startswith(os.path.join("models", "gpt.py")) or "models/gpt.py" in r.source
+    assert "GPT.embed" in r.source
+    assert dict(r.arrays)["['params']['tok_emb']"] == ("vocab", "embed")
+    assert r.moved == ("fsdp",)
+    assert any("parameter rule ('embed', 'fsdp')" in x for x in r.rules)
+    assert any(x.startswith("activation rule ('batch'") for x in r.rules)
+    text = "\n".join(doctor.doctor_lines(result))
+    assert "GPT.embed" in text and "largest collectives" in text
+    # the largest collectives carry the model lines they come from
+    assert any("models/gpt.py" in c["source"] for c in result["collectives"])
+
+
+@pytest.mark.slow
+def test_the_proposed_rule_change_is_verified_by_recompiling(tmp_path):
+    preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
+    result = doctor.doctor(small_gpt(), preset, str(tmp_path))
+    best = result["proposals"][0]
+    assert best.remats_before > 0 and best.remats_after == 0
+    # the winner keeps the parameters sharded: no more argument bytes than the planted table
+    assert best.args_after <= best.args_before
+    c, _ = doctor.verify(small_gpt(), best.preset, str(tmp_path))
+    assert c.warnings == []
+
+
+def test_the_mixed_preset_compiles_without_rematerializations(tmp_path):
+    """dp2_fsdp2_tp2 used to rematerialize the token-embedding lookup twice."""
+    c, _ = doctor.verify(small_gpt(), jaxpar.preset("dp2_fsdp2_tp2"), str(tmp_path))
+    assert c.warnings == []
+
+
+def _eight_device_presets():
+    out = []
+    for name, p in PRESETS.items():
+        try:
+            n = p.mesh.resolve(8).size
+        except ValueError:
+            n = p.mesh.size
+        if 0 < n <= 8 and p.num_processes == 1:
+            # a layout with experts needs a model with experts
+            out.append((name, n, "gpt_moe" if p.mesh.sizes().get("expert", 1) > 1 else "gpt_tiny"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "n", "recipe"), _eight_device_presets())
+def test_every_preset_compiles_gpt_tiny_without_rematerializations(tmp_path, name, n, recipe):
+    cfg = validate(resolve_recipe(recipe))
+    c, _ = doctor.verify(cfg, PRESETS[name], str(tmp_path), devices=jax.devices()[:n])
+    assert c.warnings == [], (name, c.warnings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["gpt_small", "digits_mlp", "digits_cnn", "gpt_moe"])
+def test_the_other_models_compile_on_the_mixed_preset_without_rematerializations(tmp_path, recipe):
+    cfg = validate(resolve_recipe(recipe))
+    for mesh in ("dp2_fsdp2_tp2", "fsdp4_tp2"):
+        try:
+            c, _ = doctor.verify(cfg, PRESETS[mesh], str(tmp_path))
+        except ValueError:  # the model does not divide over this layout
+            continue
+        assert c.warnings == [], (recipe, mesh, c.warnings)

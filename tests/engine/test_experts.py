@@ -47,14 +47,30 @@ def _weights(key, d=16, f=32, e=8):
 
 
 def _run(mesh_text: str, dense: bool, capacity_factor: float):
-    """Loss, gradients and compiled text of a small MoE layer on a mesh."""
+    """Loss, gradients and compiled text of a small MoE layer on a mesh. With `pipeline` in the
+    mesh, the layer runs inside a shard_map manual over data and pipeline, as a pipeline
+    stage's blocks do (jaxpar/parallel/pipeline.py)."""
     mesh = make_mesh(mesh_text)
     *w, x = _weights(jax.random.key(0))
+    manual = ("data", "pipeline") if mesh.shape["pipeline"] > 1 else ()
+
+    def layer(w, x):
+        with activation_rules(mesh, ACT_RULES, manual=manual):
+            y, stats = experts.moe_ffn(x, *w, top_k=2, capacity_factor=capacity_factor, dense=dense)
+        if manual:  # this replica's rows, then the mean over the replicas
+            return jax.lax.pmean((jnp.mean(y**2), stats), "data")
+        return jnp.mean(y**2), stats
+
+    if manual:
+        rep = PartitionSpec()
+        layer = jax.shard_map(
+            layer, mesh=mesh, in_specs=(rep, PartitionSpec("data")), out_specs=(rep, rep),
+            axis_names=set(manual), check_vma=False,
+        )  # fmt: skip
 
     def loss(w, x):
-        with activation_rules(mesh, ACT_RULES):
-            y, stats = experts.moe_ffn(x, *w, top_k=2, capacity_factor=capacity_factor, dense=dense)
-        return jnp.mean(y**2) + 0.01 * stats["aux"] + 0.001 * stats["z"], stats
+        y2, stats = layer(w, x)
+        return y2 + 0.01 * stats["aux"] + 0.001 * stats["z"], stats
 
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
     spec = [PartitionSpec(), PartitionSpec("expert"), PartitionSpec("expert"),
@@ -66,10 +82,18 @@ def _run(mesh_text: str, dense: bool, capacity_factor: float):
     return value, stats, grads, fn.lower(*args).compile().as_text()
 
 
-@pytest.mark.parametrize("mesh_text", ["data=2,expert=4", "data=1,fsdp=2,tensor=2,expert=2"])
+LAYOUTS = [
+    "data=2,expert=4",
+    pytest.param("data=1,fsdp=2,tensor=2,expert=2", marks=pytest.mark.slow),
+    pytest.param("data=2,expert=2,pipeline=2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh_text", LAYOUTS)
 def test_expert_parallel_equals_dense(mesh_text):
     """The all-to-all path computes what the dense path computes, drops included (routing is
-    per sequence), with and without fsdp and tensor in the mesh; gradients too."""
+    per sequence), with fsdp and tensor in the mesh, and nested in a pipeline's shard_map;
+    gradients too."""
     for cf in (4.0, 0.5):  # no token dropped; many dropped
         value, stats, grads, text = _run(mesh_text, dense=False, capacity_factor=cf)
         ref, ref_stats, ref_grads, ref_text = _run("data=8", dense=True, capacity_factor=cf)

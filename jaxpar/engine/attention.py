@@ -111,15 +111,17 @@ def recording() -> Iterator[list]:
         _CALLS.reset(token)
 
 
-def check_model(trace: Callable[[], object], mesh: jax.sharding.Mesh, act_rules: Rules) -> None:
+def check_model(trace: Callable[[], object], mesh: jax.sharding.Mesh, act_rules: Rules) -> tuple:
     """Where `act_rules` split `seq` over a mesh axis of size > 1: trace the model's training
     forward pass (`trace`, abstractly) and raise ValueError naming the fix when it never calls
     `attention`. The helper's own refusals (seq_len not divisible by the ring, attention
-    dropout) come out of the trace as they are, before anything is compiled."""
+    dropout) come out of the trace as they are, before anything is compiled.
+
+    Returns the (impl, ring size) of each attention call traced (() when `seq` is unsplit)."""
     with activation_rules(mesh, act_rules):
         axis, ring = ring_of_seq()
         if ring == 1:
-            return
+            return ()
         if mesh.shape.get("pipeline", 1) > 1:
             raise ValueError(
                 f"the sequence split over {axis}={ring} does not combine with pipeline stages; "
@@ -133,6 +135,45 @@ def check_model(trace: Callable[[], object], mesh: jax.sharding.Mesh, act_rules:
             f"jaxpar.engine.attention.attention, so it cannot run context-parallel; use {axis}=1 "
             f"(a model of one's own: jaxpar docs model_contract)"
         )
+    return tuple(calls)
+
+
+def inspect_lines(calls: tuple, colls: list | None) -> list[str]:
+    """Markdown lines for `jaxpar inspect` on a mesh that splits the sequence: the kernels, and
+    the collectives over the ring against their count in theory.
+
+    `calls`: (impl, ring size) per attention call of the model (Program.attention); `colls`:
+    the collective audit of the train step (None: not compiled)."""
+    if not calls:
+        return []
+    impls = sorted({impl for impl, _ in calls})
+    ring = calls[0][1]
+    out = [
+        "",
+        f"## context: {', '.join(impls)} attention over a ring of {ring}, {len(calls)} attention "
+        f"call(s) per forward pass; each device holds 1/{ring} of the sequence",
+    ]
+    if colls is None:
+        return out
+    on_ring = [c for c in colls if c.mesh_axes and set(c.mesh_axes) <= {"context"}]
+    by_kind: dict[str, list[int]] = {}
+    for c in on_ring:
+        n, b = by_kind.get(c.kind, [0, 0])
+        by_kind[c.kind] = [n + c.executions, b + c.bytes * c.executions]
+    out.append(
+        "collectives over context per step: "
+        + (", ".join(f"{k} x{n} ({b:,} bytes)" for k, (n, b) in sorted(by_kind.items())) or "none")
+    )
+    rings = sum(1 for impl, _ in calls if impl == "ring")
+    if rings:
+        fwd, bwd = ring_permutes(ring)
+        got = by_kind.get("collective-permute", [0, 0])[0]
+        verdict = "as expected" if got == rings * (fwd + bwd) else "differs"
+        out.append(
+            f"ring collective-permutes: {got} executed per step; theory {rings} layer(s) x "
+            f"({fwd} forward + {bwd} backward) = {rings * (fwd + bwd)}: {verdict}"
+        )
+    return out
 
 
 def attention(

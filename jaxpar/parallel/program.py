@@ -110,6 +110,8 @@ class Program:
     sync_step: Callable[[dict], dict] | None = None
     sync_every: int = 0
     strategy: str = "spmd"  # the jaxpar.parallel strategy (plan.STRATEGIES)
+    # (impl, ring size) of each attention call, on a mesh that splits the sequence (else ())
+    attention: tuple = ()
 
     # the strategy object: its two halves of a step (state_gradients, update) for replica groups
     parts: Any = None
@@ -194,7 +196,7 @@ def build_program(
         ),
     )  # fmt: skip
     # A mesh that splits the sequence: the model must run its attention through jaxpar's.
-    attention.check_model(
+    attention_calls = attention.check_model(
         lambda: jax.eval_shape(
             make_loss(mdef, loss, prec), ctx.abstract_params, _pure(mdef.state), batch_spec,
             jax.random.key(0),
@@ -244,7 +246,7 @@ def build_program(
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_sh, b_sh), out_shardings=replicated),
         schedule=schedule, task=task, sync_step=sync, sync_every=strategy.sync_every,
-        strategy=strategy.name, parts=strategy,
+        strategy=strategy.name, parts=strategy, attention=attention_calls,
     )  # fmt: skip
 
 

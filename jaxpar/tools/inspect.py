@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxpar import contract
 from jaxpar.config import TrainConfig
-from jaxpar.engine import collectives
+from jaxpar.engine import attention, collectives
 from jaxpar.engine.model import STATE_KEY
 from jaxpar.engine.rules import Preset
 from jaxpar.parallel import pipeline
@@ -181,4 +181,5 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
         out += _comm_lines(s, colls)
     if s.mesh.shape["pipeline"] > 1:
         out += pipeline.inspect_lines(cfg, s.program, colls if audit else None)
+    out += attention.inspect_lines(s.program.attention, colls if audit else None)
     return "\n".join(out)

@@ -96,10 +96,18 @@ class SupervisorEvent:
     STRAGGLER = "straggler"
     CONTROL_REJECTED = "control_rejected"  # a multi-host control connection was refused
     ENDED = "ended"  # the job's end (status): written with summary.json
+    # replica groups (`jaxpar launch --groups`): one group failed, restarted, admitted to the
+    # quorum (from a peer's state or not), stopped; a step's quorum differs from the last one's
+    GROUP_FAILURE = "group_failure"
+    GROUP_RESTART = "group_restart"
+    GROUP_JOINED = "group_joined"
+    GROUP_STOPPED = "group_stopped"
+    QUORUM_CHANGED = "quorum_changed"
 
     ALL = frozenset(
         {LAUNCH, GROUP_STARTED, FAILURE, PREEMPTION, SURVIVORS_STOPPED, RESTART, SHRINK, GAVE_UP,
-         STACKS_DUMPED, STRAGGLER, CONTROL_REJECTED, ENDED}
+         STACKS_DUMPED, STRAGGLER, CONTROL_REJECTED, ENDED, GROUP_FAILURE, GROUP_RESTART,
+         GROUP_JOINED, GROUP_STOPPED, QUORUM_CHANGED}
     )  # fmt: skip
     DETECTIONS = (FAILURE, PREEMPTION)  # the supervisor noticed an incarnation ending
 

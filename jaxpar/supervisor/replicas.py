@@ -38,11 +38,11 @@ from jaxpar.supervisor.policy import classify_exit, worker_env
 from jaxpar.worker import group_wire
 from jaxpar.worker.group_wire import Wire, WireError
 
-GROUP_FAILURE = "group_failure"
-GROUP_RESTART = "group_restart"
-GROUP_JOINED = "group_joined"
-QUORUM = "quorum_changed"
-GROUP_STOPPED = "group_stopped"
+GROUP_FAILURE = SupervisorEvent.GROUP_FAILURE
+GROUP_RESTART = SupervisorEvent.GROUP_RESTART
+GROUP_JOINED = SupervisorEvent.GROUP_JOINED
+GROUP_STOPPED = SupervisorEvent.GROUP_STOPPED
+QUORUM = SupervisorEvent.QUORUM_CHANGED
 
 
 def default_min_groups(groups: int) -> int:
@@ -534,6 +534,9 @@ class ReplicaSupervisor(JobState):
             cannot_write(os.path.join(self.run_dir, runlog.SUMMARY), e)
             return
         say(goodput.format_summary(summary))
+        g = summary["groups"]
+        say(f"replica groups: {g['steps_released']} steps averaged, {g['group_steps_lost']} "
+            f"group-steps lost, {g['group_restarts']} group restart(s)")  # fmt: skip
 
 
 def run_groups(opts: Options) -> int:

@@ -1,8 +1,10 @@
 """`jaxpar launch --groups`: replica groups of real `python -m train` workers (gpt_tiny, small)
 on 127.0.0.1. One job asserts several things: before the failure its losses equal plain data
 parallelism on the same global batch (one jax.distributed world, in one process here) within
-1e-5; a SIGKILL of group 1's process leaves group 0's process running (same PID), no step
-rewound, the quorum recorded in every metrics line, group 1 rejoining from group 0's state.
+1e-5; a SIGKILL of group 1's process leaves group 0's process running (started once), no step
+rewound, the quorum recorded in every metrics line, group 1 rejoining from group 0's state; the
+leader's supervisor killed takes every worker with it and the same command resumes the run from
+the newest checkpoint.
 
     python -m pytest tests/supervisor/test_replicas.py -m slow
 """
@@ -10,9 +12,13 @@ rewound, the quorum recorded in every metrics line, group 1 rejoining from group
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from tests.support.helpers import cpu_env
@@ -20,7 +26,7 @@ from tests.support.launch_util import REPO, Launch, losses, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS, KILL_AT = 20, 5
+STEPS, KILL_AT = 30, 5
 WAIT = 600
 
 
@@ -28,7 +34,30 @@ def _lines(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
 
 
-def test_groups_equal_data_parallel_and_survive_a_killed_group(tmp_path):
+def _workers(run_dir) -> list[int]:
+    """PIDs of live processes whose environment names `run_dir` (a job's workers)."""
+    target, out = os.path.abspath(run_dir), []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("JAXPAR_RUN_DIR") == target and p.status() != "zombie":
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def _wait_for(run: Launch, ok, what: str) -> list[dict]:
+    deadline = time.time() + WAIT
+    while time.time() < deadline:
+        lines = _lines(run.run_dir) if (run.run_dir / "metrics.jsonl").exists() else []
+        if ok(lines):
+            return lines
+        assert run.proc.poll() is None, f"launch ended before {what}:\n{run.output()}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} in {WAIT}s:\n{run.output()}")
+
+
+def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(tmp_path):
     ref_dir = tmp_path / "ref"  # one world: 4 devices on `data`, the same global batch
     ref = subprocess.run(
         [*train_cmd(KILL_AT - 1, 0), "--mesh", "data=4", "--run-dir", str(ref_dir)],
@@ -36,36 +65,53 @@ def test_groups_equal_data_parallel_and_survive_a_killed_group(tmp_path):
         text=True, timeout=WAIT,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
-    args = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1",
-            "--fault", f"kill@{KILL_AT}:process=1",
-            # group 0 slowed after the kill: group 1 rejoins before the last step
-            "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1.5"]  # fmt: skip
-    run = Launch(tmp_path / "run", args, train_cmd(STEPS, 4))
+    nproc = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1"]
+    faults = ["--fault", f"kill@{KILL_AT}:process=1",
+              # group 0 slowed after the kill: group 1 rejoins long before the last step
+              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1.5"]  # fmt: skip
+    run = Launch(tmp_path / "run", [*nproc, *faults], train_cmd(STEPS, 4))
     try:
-        assert run.wait(WAIT) == 0, run.output()
+        # group 1 killed, restarted, back in the quorum: then the leader's supervisor is killed
+        lines = _wait_for(
+            run, lambda ls: any(m["step"] > KILL_AT and m["quorum"] == [0, 1] for m in ls),
+            "step with group 1 back",
+        )  # fmt: skip
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(timeout=60)
+        deadline = time.time() + 30  # every worker dies with its supervisor
+        while _workers(run.run_dir) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _workers(run.run_dir) == []
     finally:
         run.close()
     # without failures: plain data parallelism within 1e-5
-    want, got = losses(ref_dir), losses(run.run_dir)
+    want, got = losses(ref_dir), {m["step"]: m["loss"] for m in lines}
     assert sorted(want) == list(range(1, KILL_AT))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
-    # the survivors: group 0 started once (same PID to the end), group 1 twice
+    # the survivors: group 0 started once (its process ran throughout), group 1 twice
     started = run.events("group_started")
     assert [e["group"] for e in started] == [0, 1, 1], started
     assert [e["group"] for e in run.events("group_restart")] == [1]
     # no step rewound: one metrics line per step, in order, each naming its quorum
-    lines = _lines(run.run_dir)
-    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in lines] == list(range(1, len(lines) + 1))
     quorum = {m["step"]: m["quorum"] for m in lines}
     assert all(quorum[s] == [0, 1] for s in range(1, KILL_AT))
     assert quorum[KILL_AT] == [0]  # group 1 died while group 0 waited in step KILL_AT
-    assert quorum[STEPS] == [0, 1]  # rejoined from group 0's state
     (joined,) = [e for e in run.events("group_joined") if e["transfer"]]
     assert joined["group"] == 1 and joined["donor"] == 0
-    lost = sum(2 - len(q) for q in quorum.values())
-    summary = run.summary()["groups"]
-    assert summary["group_steps_lost"] == lost > 0 and summary["group_restarts"] == 1
+    # the leader's loss ended the job; the same command resumes it from the newest checkpoint
+    again = Launch(tmp_path / "run", nproc, train_cmd(STEPS, 4), name="again")
+    try:
+        assert again.wait(WAIT) == 0, again.output()
+    finally:
+        again.close()
+    restored = [e for e in again.events("restore") if e["time"] > lines[-1]["time"]]
+    assert restored and restored[0]["step"] >= 4
+    final = _lines(again.run_dir)[-1]
+    assert final["step"] == STEPS and final["quorum"] == [0, 1]
+    summary = again.summary()["groups"]
+    assert summary["group_steps_lost"] == 0 and summary["group_restarts"] == 0
 
 
 def test_groups_bad_input_one_line(tmp_path):

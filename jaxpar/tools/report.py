@@ -1,4 +1,5 @@
-"""`jaxpar report RUN_DIR`: RUN_DIR/report/report.md with loss, step-time and goodput plots.
+"""`jaxpar report RUN_DIR`: RUN_DIR/report/report.md with loss, step-time and goodput plots (and
+a mixture-of-experts run's expert load, jaxpar/tools/experts_report.py).
 
     jaxpar report runs/gpt_tiny-20250101-120000
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import PHASES, Incarnation, Incident, SupervisorEvent
+from jaxpar.tools import experts_report
 
 # cause -> (label, colour); the order is the legend's (runlog.CAUSES).
 CAUSES: dict[str, tuple[str, str]] = {
@@ -385,7 +387,10 @@ def markdown(a: Analysis, images: dict[str, str]) -> str:
            f"Mesh: `{a.config.get('mesh_resolved', '?')}` · generated "
            f"{time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", "", "| | |", "|---|---|"]  # fmt: skip
     out += [f"| {k} | {v} |" for k, v in _summary_rows(a)]
-    out += ["", *_time_section(a), "", *_restart_section(a), "", "## Plots", ""]
+    out += ["", *_time_section(a), "", *_restart_section(a), ""]
+    experts = experts_report.section(a.per_step, a.config)
+    out += [*experts, ""] if experts else []
+    out += ["## Plots", ""]
     out += [f"![{title}]({rel})\n" for title, rel in images.items()]
     return "\n".join(out) + "\n"
 
@@ -419,6 +424,8 @@ def write_report(run_dir: str, out_dir: str | None = None) -> str:
     plot_loss(a, os.path.join(out_dir, images["Loss"]))
     plot_step_time(a, os.path.join(out_dir, images["Step time"]))
     plot_goodput(a, os.path.join(out_dir, images["Goodput timeline"]))
+    if experts_report.plot(a.per_step, os.path.join(out_dir, "expert_load.png"), _figure):
+        images["Expert load"] = "expert_load.png"
     path = os.path.join(out_dir, "report.md")
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import OptimConfig, TrainConfig
 from jaxpar.engine import attention
+from jaxpar.engine import experts
 from jaxpar.engine import model as model_lib
 from jaxpar.engine.losses import LossFn, check_output, loss_for
 from jaxpar.engine.mesh import BATCH_AXES, batch_parallel_size
@@ -112,9 +113,9 @@ class Program:
     strategy: str = "spmd"  # the jaxpar.parallel strategy (plan.STRATEGIES)
     # (impl, ring size) of each attention call, on a mesh that splits the sequence (else ())
     attention: tuple = ()
-
     # the strategy object: its two halves of a step (state_gradients, update) for replica groups
     parts: Any = None
+
 
 def _pure(state: nnx.State) -> dict:
     return nnx.to_pure_dict(state)
@@ -182,6 +183,7 @@ def build_program(
     param_rules, act_rules = with_recipe_rules(cfg, param_rules, act_rules)
     mdef = model_lib.abstract(cfg.model, seed)
     template = mdef.params
+    experts.check_mesh(template, mesh.shape)
     prec = policy(cfg.precision)
     tx, schedule = optimizer(cfg)
     loss = loss_for(cfg.loss, task)

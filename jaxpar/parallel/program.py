@@ -26,8 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import OptimConfig, TrainConfig
-from jaxpar.engine import attention
-from jaxpar.engine import experts
+from jaxpar.engine import attention, experts
 from jaxpar.engine import model as model_lib
 from jaxpar.engine.losses import LossFn, check_output, loss_for
 from jaxpar.engine.mesh import BATCH_AXES, batch_parallel_size

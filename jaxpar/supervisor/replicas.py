@@ -81,6 +81,7 @@ class Hub:
         self.alive: set[int] = set()  # groups the supervisor runs now
         self.joined: dict[int, int] = {}  # group -> first step it takes part in
         self.pending: dict[int, dict[tuple[int, int], tuple[dict, list]]] = {}
+        self.first_seen: dict[int, float] = {}  # step -> when its first shards arrived
         # DiLoCo: a joining group's processes that take a step's mean without giving one
         self.listeners: dict[int, set[tuple[int, int]]] = {}
         self.transfers: dict[int, dict] = {}  # joining group -> {"donor", "step", "sent": set}
@@ -156,6 +157,7 @@ class Hub:
             step = int(header.get("step", -1))
             if g in self.joined and step >= self.joined[g]:
                 self.pending.setdefault(step, {})[who] = (header, arrays)
+                self.first_seen.setdefault(step, time.time())
                 self._ask_state(who, step)
                 self._release(step)
         elif kind == "state":
@@ -257,6 +259,7 @@ class Hub:
                     self._send((j, r), {"kind": "averaged", "step": step, "quorum": q}, mean)
         del self.pending[step]
         self.listeners.pop(step, None)
+        self.first_seen.pop(step, None)
         self.next_step = step + 1
         self.started = True
         self.released += 1
@@ -307,6 +310,27 @@ class Hub:
             self._release(step)
 
     # -- the supervisor's side ------------------------------------------------------------------
+
+    def drop_hung(self, timeout_s: float, now: float | None = None) -> list[int]:
+        """Groups of a pending step's quorum that have not sent their shards `timeout_s` after
+        the step's first ones arrived (a hung or stopped process): dropped, so the others go
+        on. Returns them."""
+        now = time.time() if now is None else now
+        hung: list[int] = []
+        with self.cv:
+            for step in sorted(self.pending) if self.started else []:  # not in the start-up
+                if now - self.first_seen.get(step, now) < timeout_s:
+                    continue
+                got = self.pending[step]
+                late = [g for g in self._quorum(step)
+                        if any((g, k) not in got for k in range(self.per_group))]  # fmt: skip
+                if len(late) == len(self._quorum(step)):
+                    continue  # nobody is waiting
+                for g in late:
+                    hung.append(g)
+                    self._drop(g, f"hung: no gradients for step {step} {timeout_s:.0f}s after "
+                                  f"the other groups'")  # fmt: skip
+        return hung
 
     def running(self, g: int) -> None:
         with self.cv:
@@ -470,6 +494,8 @@ class ReplicaSupervisor(JobState):
                 if g not in failed and g not in self.done and grp.procs and not grp.alive():
                     if all(p.returncode == 0 for p in grp.procs.values()):
                         self.done.add(g)
+            for g in self.hub.drop_hung(self.opts.hang_timeout or 60.0):
+                failed.setdefault(g, "hung in a step's average")
             for g in self.hub.take_void_transfers():
                 failed.setdefault(g, "the state transfer to it was cut short")
             with self.hub.cv:

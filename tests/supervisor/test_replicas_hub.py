@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -146,5 +147,31 @@ def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
         for w in (w0, w1):
             header, (mean,) = w.recv()
             assert header["quorum"] == [0, 1] and mean.tolist() == [2.0]
+    finally:
+        hub.close()
+
+
+def test_hub_drops_a_group_that_hangs_in_a_step():
+    """A group whose shards do not come (a stopped process) is dropped once the others have
+    waited the hang timeout for it; the step goes on without it. Not during the start-up."""
+    hub, events = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for w in (w0, w1):
+            w.send({"kind": "ready", "step": 0})
+            assert w.recv()[0]["kind"] == "start"
+        _average(w0, 0, np.array([1.0], np.float32))
+        _average(w1, 0, np.array([3.0], np.float32))
+        assert w0.recv()[1][0].tolist() == [2.0] and w1.recv()[1][0].tolist() == [2.0]
+        _average(w0, 1, np.array([5.0], np.float32))
+        deadline = time.time() + 10
+        while not hub.pending and time.time() < deadline:
+            time.sleep(0.01)
+        assert hub.drop_hung(60.0) == []  # not yet
+        assert hub.drop_hung(60.0, now=time.time() + 61) == [1]
+        header, (mean,) = w0.recv()
+        assert header["quorum"] == [0] and mean.tolist() == [5.0]
+        (failure,) = [e for e in events if e["event"] == "group_failure"]
+        assert failure["group"] == 1 and failure["why"].startswith("hung")
     finally:
         hub.close()

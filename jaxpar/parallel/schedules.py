@@ -229,3 +229,23 @@ def _ready(it: Item, s: int, p: int, v: int, fused: bool, done: dict, t: int) ->
             return False
         return g == p * v - 1 or before(((W if fused else B), it.mb, g + 1))
     return before((B, it.mb, g))
+
+
+def markdown(stages: int = 4, microbatches: int = 8) -> str:
+    """Every schedule's table for p stages and m microbatches, drawn by `Table.draw` (the
+    pictures in docs/parallelism.md are this text)."""
+    out = []
+    for kind in SCHEDULES:
+        v = 2 if kind in MULTI_GROUP else 1
+        tab = table(kind, stages, microbatches, v)
+        groups = f", v={v} (lower case: group 1)" if v > 1 else ""
+        out += [
+            f"`{kind}`{groups}: {tab.ticks} ticks, bubble {tab.bubble:.1%}, buffers of "
+            f"{tab.slots} microbatches per layer group",
+            "",
+            "```",
+            tab.draw(),
+            "```",
+            "",
+        ]
+    return "\n".join(out)

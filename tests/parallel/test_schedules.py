@@ -3,6 +3,7 @@ hold, and the 1F1B family's buffers do not grow with the number of microbatches.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 
 import pytest
@@ -88,3 +89,10 @@ def test_draw_1f1b():
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(ValueError, match="use one of"):
         table("pipedream", 2, 2)
+
+
+def test_docs_draw_the_tables_from_the_engine():
+    """docs/parallelism.md shows every schedule's p=4, m=8 table as schedules.markdown draws it."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "parallelism.md")
+    with open(path) as f:
+        assert schedules.markdown(4, 8) in f.read()

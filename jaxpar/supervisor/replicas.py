@@ -35,7 +35,7 @@ from jaxpar.supervisor.group import LocalGroup
 from jaxpar.supervisor.job import JobState
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import classify_exit, worker_env
-from jaxpar.worker import group_wire
+from jaxpar.worker import bootstrap, group_wire
 from jaxpar.worker.group_wire import Wire, WireError
 
 GROUP_FAILURE = SupervisorEvent.GROUP_FAILURE
@@ -97,6 +97,7 @@ class Hub:
         self.sock.listen(64)
         self.address = join_address(bind, self.sock.getsockname()[1])
         self.closed = False
+        self.stopping = False  # the job is being stopped (a preemption): exits are no failures
         threading.Thread(target=self._accept, daemon=True, name="jaxpar-hub").start()
 
     # -- connections ----------------------------------------------------------------------------
@@ -133,7 +134,8 @@ class Hub:
                     with contextlib.suppress(OSError):
                         conn.close()
                     return
-                self._drop(who[0], f"connection of group {who[0]} process {who[1]} lost ({e})")
+                why = f"connection of group {who[0]} process {who[1]} lost ({e})"
+                self._drop(who[0], why, record=not self.stopping)  # a preempted group: no failure
             self.on_drop(who[0])
 
     def _send(self, who: tuple[int, int], header: dict, arrays: list = ()) -> None:
@@ -283,7 +285,7 @@ class Hub:
                 self.event(GROUP_JOINED, group=j, step=t["step"], transfer=True, donor=g,
                            seconds=round(time.time() - t["t"], 3))  # fmt: skip
 
-    def _drop(self, g: int, why: str) -> None:
+    def _drop(self, g: int, why: str, record: bool = True) -> None:
         """Group `g` is out: its processes are told to stop, the pending steps are released
         over the rest (the survivors' gradients are held here), a transfer it gave is void."""
         was_in = g in self.alive
@@ -300,7 +302,7 @@ class Hub:
         for step in self.pending:
             for k in range(self.per_group):
                 self.pending[step].pop((g, k), None)
-        if was_in:
+        if was_in and record:
             self.event(GROUP_FAILURE, group=g, why=why, source="hub")
         for j, t in list(self.transfers.items()):
             if t["donor"] == g:  # a transfer cut short: the joining group starts again
@@ -481,9 +483,11 @@ class ReplicaSupervisor(JobState):
     def _loop(self) -> tuple[str, int]:
         assert self.hub is not None
         while True:
+            if self.stop_request == signal.SIGTERM:
+                return self._preempt()
             if self.stop_request is not None:
                 say("interrupted: stopping the replica groups")
-                return "interrupted", 130 if self.stop_request == signal.SIGINT else 1
+                return "interrupted", 130
             failed: dict[int, str] = {}
             self._mark_joined()
             for g, grp in enumerate(self.groups):
@@ -518,6 +522,19 @@ class ReplicaSupervisor(JobState):
                     self.event(GROUP_STOPPED, group=g, why="the other groups finished the run")
                 return "completed", 0
             self.waker.wait(0.25)
+
+    def _preempt(self) -> tuple[str, int]:
+        """SIGTERM: the notice goes to every worker; the quorum's lowest group saves at the step
+        it stops at (the others stop without saving), and nothing is restarted."""
+        say("SIGTERM: passing the preemption notice to the replica groups (the lowest saves)")
+        assert self.hub is not None
+        self.hub.stopping = True
+        for grp in self.groups:
+            grp.send(signal.SIGTERM)
+        deadline = time.time() + self.opts.preempt_grace_s
+        while any(grp.alive() for grp in self.groups) and time.time() < deadline:
+            self.waker.wait(self.opts.poll_s)
+        return "preempted", bootstrap.EXIT_PREEMPTED
 
     def _fail(self, g: int, why: str) -> tuple[str, int] | None:
         """Group `g` failed: out of the quorum at once, its other processes stopped, restarted."""

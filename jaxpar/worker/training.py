@@ -617,7 +617,8 @@ def _loop(s, persistent: PersistentTier, hooks: Hooks, compiled, state, t_start)
     for step in range(start, cfg.train.steps):
         stop = _stop_requested(s, ckpt, step, t_start)
         if stop:
-            persistent.save(step, state, force=True)
+            if s.link is None or s.link.leads:  # replica groups: the lowest group saves
+                persistent.save(step, state, force=True)
             ckpt.wait()
             kind = WorkerEvent.PREEMPTED if stop == "preempted" else WorkerEvent.WALL_TIME_LIMIT
             s.run.event(kind, step=step, all_processes=True)  # each process: the step it saved

@@ -12,6 +12,7 @@ entropy and reports aux["metrics"] on every metrics line (docs/model_contract.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -78,6 +79,11 @@ class GPTMoEConfig(GPTConfig):
         dense_mlp = d * f + f + f * d + d
         extra = d * self.n_experts + (self.top_k - 1) * dense_mlp
         return super().num_params() + self.n_moe_layers * extra
+
+    def dense_equivalent(self) -> GPTConfig:
+        """The dense GPT a token costs as much as: one MLP of top_k x d_mlp units per layer."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)}
+        return GPTConfig(**{**fields, "d_mlp": self.d_mlp * self.top_k})
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token of the active parameters (+ attention scores)."""

@@ -368,7 +368,7 @@ def launch_options(args: argparse.Namespace):
         min_groups=args.min_groups or args.groups // 2 + 1,
     )  # fmt: skip
     check_options(opts)
-    if opts.groups != 1:
+    if opts.groups != 1 or opts.min_groups != 1:
         from jaxpar.supervisor.replicas import check_groups
 
         check_groups(opts)

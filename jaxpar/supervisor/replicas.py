@@ -56,6 +56,8 @@ def check_groups(opts: Options) -> None:
     if r < 1:
         raise ValueError(f"--groups {r} must be >= 1")
     if r == 1:
+        if opts.min_groups != 1:
+            raise ValueError(f"--min-groups {opts.min_groups} without --groups; give --groups R")
         return
     if opts.nnodes > 1:
         raise ValueError("--groups runs on one host (--nnodes 1); give --nnodes 1")

@@ -1,10 +1,13 @@
 """The replica groups' hub and wire without jax: real sockets on 127.0.0.1, workers played by
-threads of this test (jaxpar/supervisor/replicas.py, jaxpar/worker/group_wire.py)."""
+threads of this test (jaxpar/supervisor/replicas.py, jaxpar/worker/group_wire.py), and the
+one-line refusals of `jaxpar launch --groups`."""
 
 from __future__ import annotations
 
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -33,6 +36,13 @@ def _connect(hub: Hub, group: int, rank: int = 0, key: bytes = KEY) -> Wire:
     wire = group_wire.client_handshake(sock, key, {"group": group, "rank": rank})
     sock.settimeout(10)
     return wire
+
+
+def _until(ok, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        assert time.time() < deadline, "the hub did not get there"
+        time.sleep(0.01)
 
 
 def _average(wire: Wire, step: int, *arrays) -> None:
@@ -132,6 +142,7 @@ def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
         hub.running(0)
         w0 = _connect(hub, 0)
         w0.send({"kind": "ready", "step": 0})
+        _until(lambda: 0 in hub.transfers)  # group 0 waits for a state before step 7 is sent
         _average(w1, 7, np.array([4.0], np.float32))
         assert w1.recv()[0] == {"kind": "give_state", "step": 7, "arrays": []}
         state = [np.array([1.0], np.float32)]
@@ -164,9 +175,7 @@ def test_hub_drops_a_group_that_hangs_in_a_step():
         _average(w1, 0, np.array([3.0], np.float32))
         assert w0.recv()[1][0].tolist() == [2.0] and w1.recv()[1][0].tolist() == [2.0]
         _average(w0, 1, np.array([5.0], np.float32))
-        deadline = time.time() + 10
-        while not hub.pending and time.time() < deadline:
-            time.sleep(0.01)
+        _until(lambda: hub.pending)
         assert hub.drop_hung(60.0) == []  # not yet
         assert hub.drop_hung(60.0, now=time.time() + 61) == [1]
         header, (mean,) = w0.recv()
@@ -175,3 +184,19 @@ def test_hub_drops_a_group_that_hangs_in_a_step():
         assert failure["group"] == 1 and failure["why"].startswith("hung")
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc", "3", "--groups", "2"], "--nproc 3 is not divisible by --groups 2; give a multiple"),
+        (["--nproc", "4", "--groups", "2", "--min-groups", "3"], "--min-groups 3 must be in [1, --groups 2]"),
+        (["--nproc", "2", "--min-groups", "2"], "--min-groups 2 without --groups; give --groups R"),
+    ],
+)  # fmt: skip
+def test_groups_bad_input_one_line(tmp_path, args, message):
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", *args, "--run-dir", str(tmp_path / "r"),
+           "--", sys.executable, "-c", "pass"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {message}"]

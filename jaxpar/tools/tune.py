@@ -112,7 +112,7 @@ def supported_axes(cfg: TrainConfig, probe) -> tuple[list[str], dict[str, str]]:
     ValueError with the model's reason)."""
     ok, pruned = [], {}
     for a in AXES:
-        if a in BATCH_AXES:
+        if a == "data":
             ok.append(a)
             continue
         act_axes = {x for _, axes in ACT_RULES for x in _as_tuple(axes)}
@@ -422,6 +422,7 @@ def _probe(cfg, devs, run_dir):
         spec = MeshSpec(**{a: sizes.get(a, 1) for a in AXES})
         s = setup(cfg, Preset(spec, PARAM_RULES, ACT_RULES), run_dir, devices=devs[:2],
                   create=False)  # fmt: skip
+        doctor.lower_step(s)  # tracing runs the model's own checks of the layout
         return {
             a
             for leaf in jax.tree.leaves(s.program.abstract_state)

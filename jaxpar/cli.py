@@ -210,7 +210,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from jaxpar.tools.tune import tune
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
-    tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out)
+    axes = [a.strip() for a in args.axes.split(",") if a.strip()] if args.axes else None
+    tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out, axes=axes)
     return 0
 
 
@@ -629,6 +630,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                      help="run K layouts (the top and a spread) here and compare")  # fmt: skip
     tun.add_argument("--top", type=_int_at_least(1), default=10, help="rows printed (default 10)")
     tun.add_argument("--out", default=None, help="write the result as JSON to this file")
+    tun.add_argument("--axes", default=None, metavar="A,B", help="only these mesh axes (default: "
+                     "every axis the model supports)")  # fmt: skip
     tun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value (repeatable)")  # fmt: skip
     tun.set_defaults(func=cmd_tune)

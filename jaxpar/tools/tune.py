@@ -42,7 +42,7 @@ from jaxpar.worker.training import device_batch, setup
 
 REMAT_CHOICES = ("none", "dots", "block")  # the model's own check prunes the ones it lacks
 ACCUMULATION = (1, 2)  # train.microbatches tried
-VARIANT_MESHES = 3  # meshes whose setting variants are compiled (plus any that does not fit)
+VARIANT_MESHES = 2  # meshes whose setting variants are compiled (plus any that does not fit)
 PIPELINE = "pipeline"
 
 
@@ -106,12 +106,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def supported_axes(cfg: TrainConfig, probe) -> tuple[list[str], dict[str, str]]:
+def supported_axes(cfg: TrainConfig, probe, only=None) -> tuple[list[str], dict[str, str]]:
     """Mesh axes the model can use, and a reason for each one it cannot. `probe(sizes)` builds
     the program for a 2-device mesh on one axis and returns its parameter shardings (or raises
-    ValueError with the model's reason)."""
+    ValueError with the model's reason). `only`: the axes asked for (--axes; data always)."""
     ok, pruned = [], {}
     for a in AXES:
+        if only and a not in only and a != "data":
+            pruned[a] = f"axis {a}: not in --axes"
+            continue
         if a == "data":
             ok.append(a)
             continue
@@ -390,7 +393,8 @@ def measure_picks(ranked: list[Layout], k: int) -> list[Layout]:
 
 
 def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: int = 0,
-         top: int = 10, out: str | None = None, log=print) -> dict:  # fmt: skip
+         top: int = 10, out: str | None = None, log=print, axes: list[str] | None = None,
+         ) -> dict:  # fmt: skip
     """Enumerate, compile, predict, (measure), print and return the result dict."""
     if devices < 1 or devices > jax.device_count():
         raise ValueError(
@@ -398,6 +402,9 @@ def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: 
             f"{jax.device_count()} (more simulated CPU devices: XLA_FLAGS="
             f"--xla_force_host_platform_device_count=N)"
         )
+    bad = [a for a in axes or () if a not in AXES]
+    if bad:
+        raise ValueError(f"--axes: unknown mesh axis {bad[0]!r}; use some of {', '.join(AXES)}")
     if hardware_name not in hardware.names():
         raise ValueError(
             f"unknown hardware profile {hardware_name!r}; use one of {', '.join(hardware.names())}"
@@ -408,12 +415,14 @@ def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: 
     devs = jax.devices()[:devices]
     prof = hardware.get(hardware_name, devices)
     with tempfile.TemporaryDirectory() as tmp:
-        result = _run(cfg, devs, prof, measure_k, top, tmp, log)
+        result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes)
     result["wall_s"] = time.perf_counter() - t_start
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1, default=str)
-        log(f"\nwrote {out}")
+        png = os.path.splitext(out)[0] + ".png"
+        plot(result, png)
+        log(f"\nwrote {out} and {png}")
     return result
 
 
@@ -433,9 +442,11 @@ def _probe(cfg, devs, run_dir):
     return probe
 
 
-def _run(cfg, devs, prof, measure_k, top, tmp, log) -> dict:
+def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None) -> dict:
     n = len(devs)
-    axes, pruned_axes = supported_axes(cfg, _probe(cfg, devs, tmp)) if n > 1 else (["data"], {})
+    axes, pruned_axes = (
+        supported_axes(cfg, _probe(cfg, devs, tmp), only) if n > 1 else (["data"], {})
+    )
     pruned: list[dict] = [{"mesh": "-", "settings": {}, "reason": r} for r in pruned_axes.values()]
     meshes = []
     for combo in factorizations(n, len(axes)):
@@ -519,6 +530,43 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log) -> dict:
     for line in table_lines(cfg, ranked, top, pruned, result):
         log(line)
     return result
+
+
+def plot(result: dict, path: str) -> None:
+    """Left: predicted against measured step time (the layouts measured). Right: each layout's
+    predicted time split into compute, each axis's communication, bubble and overhead."""
+    import matplotlib  # noqa: PLC0415 - only for the figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    lays = [x for x in result["layouts"] if x["fits"]][:16]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    meas = [x for x in result["layouts"] if x.get("measured_step_s") is not None]
+    if meas:
+        px = [x["predicted_step_s"] * 1e3 for x in meas]
+        my = [x["measured_step_s"] * 1e3 for x in meas]
+        ax1.scatter(px, my)
+        for x, a, b in zip(meas, px, my, strict=True):
+            ax1.annotate(x["mesh"], (a, b), fontsize=7)
+        ax1.set_title(f"Spearman {result.get('spearman', float('nan')):.2f}, "
+                      f"top-1 ratio {result.get('top1_ratio', float('nan')):.2f}")  # fmt: skip
+    ax1.set_xlabel("predicted step (ms)")
+    ax1.set_ylabel("measured step (ms)")
+    keys = sorted({k for x in lays for k in x["time_split_s"]})
+    bottom = np.zeros(len(lays))
+    for k in keys:
+        vals = np.asarray([x["time_split_s"].get(k, 0.0) * 1e3 for x in lays])
+        ax2.bar(range(len(lays)), vals, bottom=bottom, label=k)
+        bottom += vals
+    ax2.set_xticks(range(len(lays)), [x["mesh"] for x in lays], rotation=60, fontsize=7)
+    ax2.set_ylabel("predicted time (ms, before overlap)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"jaxpar tune: {result['recipe']} on {result['devices']} devices "
+                 f"({result['hardware']['name']})")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def no_fit_message(cfg: TrainConfig, ranked: list[Layout], prof: hardware.Profile) -> str:

@@ -130,6 +130,7 @@ def test_tune_compiles_and_ranks_real_layouts(tmp_path):
     assert by["fsdp=2"]["memory"]["arguments"] < by["data=2"]["memory"]["arguments"]
     assert set(by["data=2"]["collective_bytes"]) == {"data"}
     assert res["winner_command"].startswith("jaxpar train --recipe digits_mlp --mesh ")
+    assert (tmp_path / "tune.png").stat().st_size > 0
     assert any(line.startswith("winner: jaxpar train") for line in lines)
 
 
@@ -149,6 +150,7 @@ def test_memory_matches_the_compiled_program(tmp_path):
         (["--hardware", "tpu9"], "unknown hardware profile 'tpu9'; use one of h100x8"),
         (["--devices", "64"], "--devices 64: this machine has 8 devices"),
         (["--out", "/nonexistent/dir/x.json"], "its folder does not exist"),
+        (["--axes", "data,bogus"], "--axes: unknown mesh axis 'bogus'"),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, needle):

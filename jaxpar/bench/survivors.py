@@ -27,7 +27,7 @@ from jaxpar.bench import survivors_peer as peer
 from jaxpar.bench.harness import Bench, table
 from jaxpar.bench.recovery import DEVICES, SMALL, _command, _env, _Job, _restart_paths
 from jaxpar.rundir import runlog
-from jaxpar.rundir.runlog import read_jsonl
+from jaxpar.rundir.runlog import SupervisorEvent, read_jsonl
 
 FULL = {"groups": 3, "per_group": 2, "seconds": 120.0, "periods": (60.0, 30.0),
         "paths": ("standby", "spares"), "peer": True}  # fmt: skip
@@ -86,6 +86,16 @@ class JaxparRun:
                 out.append(measure.Step(float(m["time"]), int(m["step"]), every, self.batch, lives))
         return out
 
+    def readies(self) -> list[measure.Ready]:
+        """When each restarted group was ready: its `group_joined` event less the transfer."""
+        out = []
+        for e in read_jsonl(os.path.join(self.run_dir, runlog.EVENTS)):
+            if e.get("event") == SupervisorEvent.GROUP_JOINED and e.get("transfer"):
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    t = float(e["time"]) - float(e.get("seconds") or 0.0)
+                    out.append(measure.Ready(t, int(e["group"])))
+        return out
+
     def paths(self) -> list:
         return _restart_paths(read_jsonl(os.path.join(self.run_dir, runlog.EVENTS)))
 
@@ -118,12 +128,13 @@ def drive(run, period: float | None, seconds: float, p: dict, seed: int,
         samples.append((time.time(), run.pids()))
     finally:
         job.close()
-    return {"steps": run.steps(), "kills": kills, "samples": samples, "start": start}
+    return {"steps": run.steps(), "kills": kills, "samples": samples, "start": start,
+            "readies": run.readies()}  # fmt: skip
 
 
 def figures(trace: dict, p: dict, seconds: float) -> dict:
     return measure.summarize(trace["steps"], trace["kills"], trace["samples"], p["per_group"],
-                             trace["start"], seconds)  # fmt: skip
+                             trace["start"], seconds, trace.get("readies", []))  # fmt: skip
 
 
 def _kept(runs: list[dict], base: dict) -> None:
@@ -206,18 +217,20 @@ def _rows(side: str, base: dict, runs: list[dict]) -> list[list]:
     for r in [base, *runs]:
         every = "no faults" if r["period_s"] is None else f"{r['period_s']:.0f} s"
         kept = "100 %" if r is base else _f(r.get("throughput_kept"), "{:.1%}")
+        ready = f"{_f(r.get('ready_to_step_s'))} / {_f(r.get('step_s'))}"
         rows.append([side, r["path"], every, r["kills"], _f(r["throughput"]), kept,
-                     r["healthy_restarts"], r["steps_rewound"], _f(r["rejoin_s"])])  # fmt: skip
+                     r["healthy_restarts"], r["steps_rewound"], _f(r["rejoin_s"]), ready])  # fmt: skip
     return rows
 
 
 def _table(base: dict, runs: list[dict], tf: dict) -> str:
     header = ["framework", "restart path", "failure every", "kills", "examples/s",
-              "throughput kept", "healthy restarts", "steps rewound", "rejoin s (median)"]  # fmt: skip
+              "throughput kept", "healthy restarts", "steps rewound", "rejoin s (median)",
+              "ready to step s / step s"]  # fmt: skip
     rows = _rows("jaxpar", base, runs)
     if tf.get("status") == "ok":
         rows += _rows("torchft", tf["baseline"], tf["runs"])
-    text = table(header, rows, "---|---|---:|---:|---:|---:|---:|---:|---:")
+    text = table(header, rows, "---|---|---:|---:|---:|---:|---:|---:|---:|---:")
     if tf.get("status") != "ok":
         text += f"\n\ntorchft: {tf['status']}: {tf['reason']}"
     return text

@@ -10,7 +10,9 @@ incarnation that changes when the group restarts), the PIDs of its worker slots 
   process of the killed group restarted with it is the group's own restart, not counted).
 - steps rewound: per failure, the most steps a surviving group trained again (its step counter
   went back to or below a step it had already trained).
-- rejoin: seconds from a kill until the killed group trains a step again in its new life.
+- rejoin: seconds from a kill until the killed group trains a step again in its new life;
+  ready to step: from the restarted group being ready (all its processes up, where the run
+  records it) to that step, against the run's step time.
 """
 
 from __future__ import annotations
@@ -132,6 +134,31 @@ def rejoin_times(steps: list[Step], kills: list[Kill]) -> list[float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class Ready:
+    t: float  # when a restarted group's processes were all ready (before its state came)
+    group: int
+
+
+def ready_to_step(steps: list[Step], kills: list[Kill], readies: list[Ready]) -> list[float | None]:
+    """Per kill: seconds from the killed group being ready again to its first step (None where
+    either is not known)."""
+    out: list[float | None] = []
+    for k, rejoin in zip(kills, rejoin_times(steps, kills), strict=True):
+        ready = min((r.t for r in readies if r.group == k.group and r.t > k.t), default=None)
+        out.append(None if rejoin is None or ready is None else k.t + rejoin - ready)
+    return out
+
+
+def step_time(steps: list[Step]) -> float | None:
+    """The median time between a group's consecutive steps."""
+    gaps = []
+    for g in sorted({g for s in steps for g in s.groups}):
+        times = sorted(s.t for s in steps if g in s.groups)
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    return median(gaps)
+
+
 def median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -144,9 +171,11 @@ def summarize(
     per_group: int,
     start: float,
     seconds: float,
+    readies: list[Ready] = (),
 ) -> dict:
     """The figures of one run (before throughput_kept, which needs the run without faults)."""
     rejoins = rejoin_times(steps, kills)
+    after_ready = ready_to_step(steps, kills, list(readies))
     return {
         "kills": len(kills),
         "killed_groups": [k.group for k in kills],
@@ -156,6 +185,10 @@ def summarize(
         "steps_rewound": steps_rewound(steps, kills),
         "rejoin_s": median(rejoins),
         "rejoins_s": rejoins,
+        # the goal: a restarted group steps within one step of being ready
+        "ready_to_step_s": median(after_ready),
+        "ready_to_steps_s": after_ready,
+        "step_s": step_time(window(steps, start, seconds)),
     }
 
 

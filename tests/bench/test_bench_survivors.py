@@ -68,6 +68,28 @@ def test_torchft_traces_rejoin_by_new_pid_and_a_late_kill_never_rejoins():
     assert m.rate_series(steps, 1.0, 9.0, 3.0)[0] == pytest.approx(6 * 16.0 / 3.0)
 
 
+def test_ready_to_step_against_the_step_time(tmp_path):
+    # group 1 killed at t=5.5, ready again at 8.0 (its state then took 0.5 s), steps at t=9
+    steps = [m.Step(float(t), t, (0, 1, 2) if t <= 5 or t >= 9 else (0, 2), 48.0)
+             for t in range(1, 13)]  # fmt: skip
+    kills = [m.Kill(5.5, 1, 2, 102)]
+    readies = [m.Ready(2.0, 1), m.Ready(8.0, 1), m.Ready(8.5, 2)]  # one before the kill: not it
+    assert m.ready_to_step(steps, kills, readies) == [pytest.approx(1.0)]
+    assert m.ready_to_step(steps, kills, []) == [None]
+    assert m.step_time(steps) == pytest.approx(1.0)
+    fig = m.summarize(steps, kills, [], 1, 1.0, 12.0, readies)
+    assert fig["ready_to_step_s"] == pytest.approx(1.0) and fig["step_s"] == pytest.approx(1.0)
+    # from the run's events: a transfer's group_joined less its seconds; the rest is ignored
+    events = [{"event": "group_joined", "group": 1, "transfer": True, "seconds": 0.5,
+               "time": 8.5}, {"event": "group_joined", "group": 0, "transfer": False,
+               "time": 1.0}, {"event": "group_joined", "group": "x", "transfer": True,
+               "time": 3.0}]  # fmt: skip
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    run = survivors.JaxparRun.__new__(survivors.JaxparRun)
+    run.run_dir = str(tmp_path)
+    assert run.readies() == [m.Ready(8.0, 1)]
+
+
 def test_a_restart_after_no_kill_is_healthy_and_a_missing_slot_keeps_its_pid():
     samples = [(1.0, {0: 10, 1: 11}), (2.0, {0: 10}), (3.0, {0: 10, 1: 11}), (4.0, {0: 20, 1: 11})]
     found = m.restarts(samples, per_group=1)
@@ -141,7 +163,7 @@ def test_peer_unavailable_says_why_and_the_jaxpar_side_stands(tmp_path, monkeypa
     base = {"path": "none", "period_s": None, "kills": 0, "throughput": 10.0,
             "healthy_restarts": 0, "steps_rewound": 0, "rejoin_s": None}  # fmt: skip
     text = survivors._table(base, [], tf)
-    assert "| jaxpar | none | no faults |" in text
+    assert "| jaxpar | none | no faults | 0 | 10.0 | 100 % | 0 | 0 | - | - / - |" in text
     assert text.endswith("torchft: unavailable: the package index's torch brings 3 GPU packages")
     assert survivors.torchft_side({**p, "peer": False}, str(tmp_path))[0]["status"] == "skipped"
 

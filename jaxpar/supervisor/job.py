@@ -12,7 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from jaxpar.rundir import runlog
+from jaxpar.rundir import ownership, runlog
 from jaxpar.rundir.runlog import append_line
 from jaxpar.supervisor.group import LocalNode, Wakeup
 from jaxpar.supervisor.options import Options, cannot_write, say
@@ -40,6 +40,20 @@ class JobState:
         self.stop_request: int | None = None
         self.startup_measured: float | None = None  # the slowest start-up to the first step
         self.faults_seen: list[dict] = []
+
+    def take_lock(self) -> bool:
+        """Create the run directory and hold its lock for the whole job (a second `jaxpar
+        launch` or `python -m train` on it refuses); False, said in one line, if it cannot."""
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.lock = ownership.acquire(self.run_dir, "jaxpar launch")
+        except ValueError as e:
+            say(f"error: {e}")
+            return False
+        except OSError as e:
+            say(f"error: cannot write the run directory {self.run_dir}: {e.strerror or e}")
+            return False
+        return True
 
     def event(self, name: str, **fields: Any) -> None:
         """Append a supervisor event to the run's events.jsonl (a full disk is said, not fatal)."""

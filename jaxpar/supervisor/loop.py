@@ -15,7 +15,7 @@ import signal
 import time
 
 from jaxpar.engine.mesh import mesh_text
-from jaxpar.rundir import ownership, runlog
+from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, WorkerEvent, read_jsonl, write_json
 from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalNode
@@ -43,15 +43,7 @@ class Supervisor(JobState):
 
     def run(self) -> int:
         t0 = time.time()
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            # one job per run directory: a second `jaxpar launch` or `python -m train` refuses
-            self.lock = ownership.acquire(self.run_dir, "jaxpar launch")
-        except ValueError as e:
-            say(f"error: {e}")
-            return 2
-        except OSError as e:
-            say(f"error: cannot write the run directory {self.run_dir}: {e.strerror or e}")
+        if not self.take_lock():  # one job per run directory
             return 2
         try:
             key = token(self.opts) if self.opts.nnodes > 1 else b""

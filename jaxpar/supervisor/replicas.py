@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from jaxpar.rundir import ownership, runlog
+from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, write_json
 from jaxpar.supervisor.group import LocalGroup
 from jaxpar.supervisor.job import JobState
@@ -405,14 +405,7 @@ class ReplicaSupervisor(JobState):
 
     def run(self) -> int:
         t0 = time.time()
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.lock = ownership.acquire(self.run_dir, "jaxpar launch")
-        except ValueError as e:
-            say(f"error: {e}")
-            return 2
-        except OSError as e:
-            say(f"error: cannot write the run directory {self.run_dir}: {e.strerror or e}")
+        if not self.take_lock():  # one job per run directory
             return 2
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         status, code = "failed", 1

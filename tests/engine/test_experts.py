@@ -130,3 +130,32 @@ def test_expert_axis_must_split_the_models_experts():
     with pytest.raises(ValueError, match=r"n_experts=6 is not divisible by the expert mesh axis"):
         experts.check_mesh(moe, {"data": 2, "expert": 4})
     experts.check_mesh(moe, {"data": 4, "expert": 2})
+
+
+@pytest.mark.slow
+def test_gpt_moe_counts_its_parameters_and_decodes_like_its_forward():
+    """models/gpt_moe.py: every other layer MoE (moe_every=2); num_params counts what is built;
+    the cached decoding (jaxpar sample) gives the forward pass's logits when no token is
+    dropped (capacity for every token)."""
+    from flax import nnx
+
+    from jaxpar.engine import model as model_lib
+    from jaxpar.models.gpt_moe import GPTMoEConfig
+
+    cfg = GPTMoEConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4, d_mlp=32,
+                       n_experts=4, moe_every=2, capacity_factor=4.0)  # fmt: skip
+    model = model_lib.build(cfg, 0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+    assert set(params["blocks"]) == {"dense", "moe"} and cfg.n_moe_layers == 2
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    full, aux = nnx.jit(lambda m, t: m.aux_forward(t))(model, tokens)
+    assert aux["metrics"]["moe_expert_load"].shape == (4,)
+    assert float(aux["metrics"]["moe_dropped_frac"]) == 0.0
+    decode = nnx.jit(lambda m, t, c, pos: m.decode(t, c, pos))
+    first, cache = decode(model, tokens[:, :8], model.init_cache(2), 0)
+    steps = [first]
+    for pos in range(8, 12):
+        logits, cache = decode(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-5)

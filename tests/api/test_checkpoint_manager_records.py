@@ -105,7 +105,9 @@ def test_build_takes_the_layout_of_a_shrunk_job(monkeypatch, tmp_path):
     monkeypatch.setenv(bootstrap.ENV_MESH, "data=2,tensor=2")  # what jaxpar launch sets
     monkeypatch.setenv(bootstrap.ENV_MICROBATCHES, "2")
     job = jaxpar.build(_cfg(2, tmp_path), MESH, devices=jax.devices()[:4])
-    assert dict(job.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1}
+    assert dict(job.mesh.shape) == {
+        "data": 2, "fsdp": 1, "tensor": 2, "pipeline": 1, "context": 1, "expert": 1
+    }  # fmt: skip
     assert job.cfg.train.microbatches == 2
 
 

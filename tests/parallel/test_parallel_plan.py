@@ -75,12 +75,15 @@ def test_plan_refuses_unsupported_combinations(mesh, cfg, match):
 
 
 def test_axis_facts_are_one_table():
-    assert AXES == ("data", "fsdp", "tensor", "pipeline")
+    assert AXES == ("data", "fsdp", "tensor", "pipeline", "context", "expert")
     assert tuple(f.name for f in dataclasses.fields(MeshSpec)) == AXES
     assert AXES == tuple(a.name for a in AXIS_INFO)
-    assert (BATCH_AXES, REPLICA_AXES, HOST_AXES) == (("data", "fsdp"), ("data",), ("data", "fsdp"))
+    assert (BATCH_AXES, REPLICA_AXES, HOST_AXES) == (
+        ("data", "fsdp", "expert"), ("data", "context"), ("data", "fsdp")
+    )  # fmt: skip
     sizes = {"data": 2, "fsdp": 4, "tensor": 2, "pipeline": 1}
     assert batch_ways(sizes) == 8 and batch_ways({"tensor": 4}) == 1
+    assert batch_ways({"data": 2, "expert": 4, "context": 2}) == 8
     assert MeshSpec.parse(mesh_text(sizes)) == MeshSpec(**sizes)
     assert mesh_text({"tensor": 2, "data": 4}) == "data=4,tensor=2"  # mesh order
 

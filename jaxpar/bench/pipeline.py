@@ -10,6 +10,7 @@ How the bubble is measured: docs/design.md, "Benchmarks".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import tempfile
@@ -17,12 +18,14 @@ import time
 
 import jax
 import numpy as np
+import optax
 
 from jaxpar.bench.harness import Bench, table
 from jaxpar.config import PipelineConfig, TrainConfig
 from jaxpar.engine.mesh import MeshSpec
 from jaxpar.engine.rules import Preset
-from jaxpar.parallel.pipeline import Schedule
+from jaxpar.parallel.base import merge
+from jaxpar.parallel.pipeline import Schedule, balanced_split, model_parts
 from jaxpar.worker.training import compile_step, device_batch, setup
 
 LAYERS = 8
@@ -77,6 +80,59 @@ def _time_group(cfgs: list[TrainConfig], p: int, rounds: int) -> list[list[float
     return times
 
 
+def _best_of(fn, *args, rounds: int) -> float:
+    """Fastest of `rounds` timed calls (after a compiling one), in seconds."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def stage_times(cfg: TrainConfig, p: int, rounds: int) -> dict:
+    """Forward + backward seconds of one microbatch through one block, the embedding and the
+    head with the loss, timed on one device; each stage's time for the even split and for the
+    split `balanced_split` recommends from these times."""
+    with tempfile.TemporaryDirectory() as tmp:
+        s = setup(cfg, Preset(MeshSpec.parse("data=1")), tmp, devices=jax.devices()[:1])
+        params = s.program.init()["params"]
+        parts = model_parts(s.program.graphdef, s.program.param_template)
+        batch = device_batch(s, 0)
+    tokens, targets = (batch[k][:ROWS_PER_MICROBATCH] for k in ("inputs", "targets"))
+    graphdef, template = parts.graphdef, parts.template
+    layer = jax.tree.map(lambda a: a[0], functools.reduce(lambda t, k: t[k], parts.path, params))
+
+    def embed(pr):
+        return merge(graphdef, template, pr).pipeline_parts()[0](tokens, None)
+
+    x = jax.jit(embed)(params)
+
+    def block(w, x):
+        return merge(parts.block_graphdef, parts.block_template, w)(x, None).sum()
+
+    def head(pr, x):
+        logits = merge(graphdef, template, pr).pipeline_parts()[2](x).astype(jax.numpy.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    t = {
+        "block": _best_of(jax.jit(jax.grad(block, argnums=(0, 1))), layer, x, rounds=rounds),
+        "embed": _best_of(jax.jit(jax.vjp(embed, params)[1]), x, rounds=rounds),
+        "head": _best_of(jax.jit(jax.grad(head, argnums=(0, 1))), params, x, rounds=rounds),
+    }
+    n = parts.num_layers
+
+    def per_stage(split):
+        return [k * t["block"] + t["embed"] * (i == 0) + t["head"] * (i == p - 1)
+                for i, k in enumerate(split)]  # fmt: skip
+
+    even = [n // p] * p
+    best = balanced_split(n, p, t["block"], t["embed"], t["head"])
+    return {"p": p, "layers": n, "part_s": t, "even_split": even, "even_stage_s": per_stage(even),
+            "recommended_split": best, "recommended_stage_s": per_stage(best)}  # fmt: skip
+
+
 def _fit(rows: list[dict]) -> tuple[float, float, float]:
     """Least squares T = c + τ·ticks over the rows' fastest steps: (τ, c, largest relative
     residual). Where noise drives c below zero, c = 0 and τ is refitted."""
@@ -126,6 +182,7 @@ def run(b: Bench) -> dict:
                     "buffer_slots": sched.table.slots,
                 })  # fmt: skip
     fits = analyse(rows)
+    stages_s = stage_times(_config(base, "gpipe", max(stages), 1, layers), max(stages), rounds)
     result = {
         "suite": "pipeline",
         "recipe": base.name,
@@ -136,10 +193,24 @@ def run(b: Bench) -> dict:
         "load_average_1m": os.getloadavg()[0],  # timings on a busy host are noisy
         "rows": rows,
         "fits": fits,
+        "stage_times": stages_s,
     }
     _plot(rows, b.path("pipeline.png"))
     host = f"host: {os.cpu_count()} CPUs, load average {result['load_average_1m']:.1f}"
-    return b.write("pipeline", result, f"{_table(rows, fits)}\n{host}")
+    return b.write("pipeline", result, f"{_table(rows, fits)}\n{_stages_text(stages_s)}\n{host}")
+
+
+def _stages_text(st: dict) -> str:
+    def ms(xs):
+        return ", ".join(f"{1e3 * x:.2f}" for x in xs)
+
+    part = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in st["part_s"].items())
+    return (
+        f"\nper stage, forward + backward of one microbatch (p={st['p']}; {part}):\n"
+        f"  even split {st['even_split']}: {ms(st['even_stage_s'])} ms\n"
+        f"  recommended split {st['recommended_split']}: {ms(st['recommended_stage_s'])} ms "
+        f"(the embedding on stage 0 and the head on the last counted)"
+    )
 
 
 def _table(rows: list[dict], fits: list[dict]) -> str:

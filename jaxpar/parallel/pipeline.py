@@ -505,13 +505,6 @@ def check_config(cfg: TrainConfig, mesh: Mesh, sched: Schedule, task: str) -> No
             f"{m} on each of the {ways} data-parallel shards (data x fsdp): make the global "
             f"batch a multiple of {ways * m} or change pipeline.microbatches"
         )
-    seq = getattr(cfg.model, "seq_len", cfg.data.seq_len)
-    if seq % sched.stages:
-        raise ValueError(
-            f"sequence length {seq} is not divisible by the {sched.stages} pipeline stages: "
-            f"each stage runs the output head on seq_len/stages positions; change seq_len or "
-            f"the `pipeline` mesh axis"
-        )
 
 
 # ---- reporting ----------------------------------------------------------------------------------
@@ -585,6 +578,29 @@ def _flops(cfg: TrainConfig, parts: Parts) -> dict:
     }
 
 
+def balanced_split(num_layers: int, stages: int, block: float, embed: float, head: float
+                   ) -> list[int]:  # fmt: skip
+    """Layers per stage (contiguous, each >= 1) minimising the busiest stage's cost, where stage
+    0 also pays `embed` and the last stage `head` (costs in any one unit, e.g. FLOPs)."""
+    n, p = num_layers, stages
+    if n < p:
+        raise ValueError(f"{n} layers cannot fill {p} pipeline stages")
+    extra = [embed * (s == 0) + head * (s == p - 1) for s in range(p)]
+    # best[s][j]: (the busiest cost, the split) of stages s.. holding the last j layers
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
+    for s in reversed(range(p)):
+        for j in range(p - s, n - s + 1):
+            if s == p - 1:
+                best[(s, j)] = (j * block + extra[s], [j])
+                continue
+            options = []
+            for k in range(1, j - (p - s - 1) + 1):
+                cost, rest = best[(s + 1, j - k)]
+                options.append((max(k * block + extra[s], cost), [k, *rest]))
+            best[(s, j)] = min(options)
+    return best[(0, n)][1]
+
+
 def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None) -> list[str]:
     """Markdown lines for `jaxpar inspect`: stages, bytes, FLOPs, ticks, bubble, permutes.
 
@@ -620,6 +636,14 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
     out.append(
         f"\nstage balance: max/mean FLOPs {max(flops) / (sum(flops) / p):.3f} (the embedding on "
         f"the first stage, the head on the last)"
+    )
+    split = balanced_split(n, p, f["block"], f["embed"], f["head"])
+    cost = [k * f["block"] + f["embed"] * (s == 0) + f["head"] * (s == p - 1)
+            for s, k in enumerate(split)]  # fmt: skip
+    out.append(
+        f"split by cost (layers per stage, embedding and head counted): "
+        f"{','.join(map(str, split))}, max/mean FLOPs {max(cost) / (sum(cost) / p):.3f}; "
+        f"jaxpar splits the layers evenly"
     )
     if colls is not None:
         perms = [c for c in colls if c.kind == "collective-permute"]

@@ -77,12 +77,15 @@ def test_bench_pipeline_quick(tmp_path):
     }
     for row in rows:
         assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
-        assert row["ticks"] >= 3 * (row["m"] + row["p"] - 1)  # F, B and W: a tick each
+        assert row["ticks"] >= 3 * row["m"] * row["v"] + row["p"] - 1  # F, B and W: a tick each
         assert 0 < row["bubble_predicted"] < 1 and math.isfinite(row["bubble_measured"])
     gpipe = [row for row in rows if row["schedule"] == "gpipe"]
     assert all(
         row["bubble_predicted"] == pytest.approx(row["bubble_gpipe_formula"]) for row in gpipe
     )
     assert {(f["p"], f["schedule"]) for f in r["fits"]} == {(2, row["schedule"]) for row in rows}
+    st = r["stage_times"]  # per-stage time and the split recommended from it
+    assert sum(st["recommended_split"]) == st["layers"] == 4 and len(st["even_stage_s"]) == 2
+    assert max(st["recommended_stage_s"]) <= max(st["even_stage_s"])
     blob = (tmp_path / "pipeline.png").read_bytes()  # measured vs predicted bubble, per p
     assert blob[:8] == PNG and len(blob) > 10_000

@@ -30,6 +30,7 @@ share one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -161,9 +162,10 @@ class Table:
     def in_flight(self) -> int:
         """Most microbatches whose forward ran and whose W did not, on any stage at any tick."""
         live = [[0] * self.stages for _ in range(self.ticks + 1)]
-        for (kind, mb, g), t in self.done_at().items():
+        done = self.done_at()
+        for (kind, mb, g), t in done.items():
             if kind == F:
-                end = self.done_at()[(W, mb, g)]
+                end = done[(W, mb, g)]
                 for u in range(t, end + 1):
                     live[u][g % self.stages] += 1
         return max(max(r) for r in live)
@@ -187,6 +189,7 @@ class Table:
         return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=64)
 def table(kind: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
     """Play schedule `kind` for p stages, m microbatches and v layer groups per stage."""
     p, m, v = stages, microbatches, repeats

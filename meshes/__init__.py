@@ -20,7 +20,14 @@ PRESETS: dict[str, Preset] = {
     "fsdp8": Preset(P("data=1,fsdp=8"), description="ZeRO-3: params + optimizer state 8 ways"),
     "dp2_tp4": Preset(P("data=2,tensor=4"), description="2 replicas x Megatron TP 4"),
     "dp4_tp2": Preset(P("data=4,tensor=2"), description="4 replicas x Megatron TP 2"),
-    "dp2_fsdp2_tp2": Preset(P("data=2,fsdp=2,tensor=2"), description="DP x FSDP x TP"),
+    # The token table's rows over tensor and fsdp together, not its `embed` columns over fsdp:
+    # with data and fsdp both splitting the batch, a lookup cannot take fsdp from the columns
+    # (XLA replicates the table: an involuntary full rematerialization; jaxpar inspect --doctor).
+    "dp2_fsdp2_tp2": Preset(
+        P("data=2,fsdp=2,tensor=2"),
+        (("vocab", ("tensor", "fsdp")), *PARAM_RULES),
+        description="DP x FSDP x TP",
+    ),
     "fsdp4_tp2": Preset(P("data=1,fsdp=4,tensor=2"), description="FSDP x TP"),
     # GPU and TPU layouts; multi-host ones put the processes on the batch axes (DCN).
     "h200x1": Preset(P("data=1"), description="one H200"),

@@ -33,10 +33,6 @@ PARAM_RULES: Rules = (
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv", "tensor"),
-    # The token table's rows over tensor and fsdp together, not its `embed` columns over fsdp:
-    # a lookup whose output is split over the batch axes cannot take fsdp from the columns
-    # (XLA falls back to replicating the table: an involuntary full rematerialization).
-    ("vocab", ("tensor", "fsdp")),
     ("vocab", "tensor"),
     ("conv_out", "tensor"),
     ("mlp", "fsdp"),

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -44,22 +45,35 @@ _KINDS = tuple(collectives.KINDS)
 
 
 @contextlib.contextmanager
-def captured_stderr() -> Iterator[list[str]]:
+def captured_stderr(echo: bool = True) -> Iterator[list[str]]:
     """Capture file descriptor 2 (where XLA's C++ logging goes) while the block runs; the list
-    yielded holds the captured text afterwards. Python's sys.stderr is flushed first."""
+    yielded holds the captured text afterwards. `echo`: copy it through to the real stderr as
+    it arrives, so a fatal error's message is not lost with the process."""
     out: list[str] = []
+    chunks: list[bytes] = []
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            out.append(tmp.read().decode("utf-8", "replace"))
+    read, write = os.pipe()
+
+    def pump() -> None:
+        while data := os.read(read, 65536):
+            chunks.append(data)
+            if echo:
+                os.write(saved, data)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    os.dup2(write, 2)
+    os.close(write)
+    try:
+        yield out
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: the pump sees the end
+        thread.join()
+        os.close(read)
+        os.close(saved)
+        out.append(b"".join(chunks).decode("utf-8", "replace"))
 
 
 @dataclass

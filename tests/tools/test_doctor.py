@@ -25,9 +25,9 @@ WARNING = (
     "offset_dims={2}, sharding={devices=[1,1,2,4]<=[2,2,2]T(1,0,2) last_tile_dim_replicate}. As "
     "the last resort, SPMD will replicate the tensor and then partition it."
 )
-# The token-embedding conflict the default rules had before ("vocab", ("tensor", "fsdp")): the
-# table's `embed` columns on fsdp while the lookup's output wants fsdp on its batch rows.
-PLANTED = tuple(r for r in PARAM_RULES if r != ("vocab", ("tensor", "fsdp")))
+# The default table on dp2_fsdp2_tp2 (the preset puts ("vocab", ("tensor", "fsdp")) first): the
+# token table's `embed` columns on fsdp while the lookup's output wants fsdp on its batch rows.
+PLANTED = PARAM_RULES
 
 
 def small_gpt(**extra):

@@ -60,7 +60,7 @@ def test_model_contract_is_typed_and_checked():
 
     gpt, mlp = GPTConfig(), MLPConfig()
     assert isinstance(gpt, contract.ModelConfig) and isinstance(gpt, contract.FlopsPerToken)
-    assert contract.not_hashed(gpt) == ("remat",) and contract.not_hashed(mlp) == ()
+    assert contract.not_hashed(gpt) == ("remat", "attention") and contract.not_hashed(mlp) == ()
     assert contract.flops_per_step(mlp, "classification", 4, 1) == 4 * mlp.flops_per_example()
     assert contract.flops_per_step(object(), "lm", 4, 8) is None
 

@@ -32,8 +32,15 @@ def gpt_moe() -> TrainConfig:
     return TrainConfig(
         name="gpt_moe",
         model=GPTMoEConfig(
-            vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4, d_mlp=256,
-            n_experts=8, top_k=2, capacity_factor=1.25,
+            vocab_size=256,
+            seq_len=64,
+            d_model=128,
+            n_heads=4,
+            n_layers=4,
+            d_mlp=256,
+            n_experts=8,
+            top_k=2,
+            capacity_factor=1.25,
         ),  # fmt: skip
         data=DataConfig(source="stdlib_text", global_batch=32, seq_len=64),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),

@@ -68,9 +68,7 @@ def batch_ways(sizes: dict[str, int]) -> int:
 def mesh_text(sizes: dict[str, int]) -> str:
     """ "data=2,fsdp=1,..." for the axes present in `sizes`, in mesh order (MeshSpec.parse's form)."""
     shown = {a.name for a in AXIS_INFO if a.always_written}
-    return ",".join(
-        f"{a}={sizes[a]}" for a in AXES if a in sizes and (a in shown or sizes[a] != 1)
-    )
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes and (a in shown or sizes[a] != 1))
 
 
 @dataclass(frozen=True)

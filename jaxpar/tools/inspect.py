@@ -133,9 +133,7 @@ def inspect_json(cfg: TrainConfig, preset: Preset, run_dir: str) -> dict:
         },
         "state_bytes_per_device": state_dev,
         "memory": collectives.memory(compiled),
-        "collectives": [
-            dict(r, mesh_axes=list(r["mesh_axes"])) for r in collectives.tally(colls)
-        ],
+        "collectives": [dict(r, mesh_axes=list(r["mesh_axes"])) for r in collectives.tally(colls)],
         "compile_s": round(seconds, 3),
     }
 

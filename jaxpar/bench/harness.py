@@ -194,7 +194,6 @@ register("comm", "jaxpar.bench.comm:run", "gradient all-reduce fp32 / bf16 / int
 register("precision", "jaxpar.bench.precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")
 register("data", "jaxpar.bench.data:run", "tokens source: prepare speed, examples/s per process vs what a step consumes", "~5 min (quick ~1 min)")
 register("context", "jaxpar.bench.context:run", "context parallelism: memory, step time and bytes vs theory by seq_len x ring size, ring vs all-gather", "~15 min (quick ~2 min)")
-register("context", "jaxpar.bench.context:run", "context parallelism: memory, step time and bytes vs theory by seq_len x ring size, ring vs all-gather", "~15 min (quick ~2 min)")
 register("moe", "jaxpar.bench.moe:run", "mixture of experts vs dense of the same active parameters: tokens/s, all-to-all bytes vs theory, drops by capacity", "~5 min (quick ~2 min)")
 register("survivors", "jaxpar.bench.survivors:run", "replica groups through SIGKILLs vs torchft: throughput kept, healthy restarts, rejoin", "~25 min (quick ~1 min)")
 # fmt: on

@@ -72,7 +72,7 @@ def test_bench_pipeline_quick(tmp_path):
     rows = r["rows"]
     assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
         (2, m, s)
-        for m in (2, 4)
+        for m in (2, 4, 6)
         for s in ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
     }
     for row in rows:

@@ -189,7 +189,7 @@ register("overhead", "jaxpar.bench.step:overhead", "jaxpar's loop step vs a plai
 register("meshes", "jaxpar.bench.step:meshes", "throughput and collective bytes per mesh layout on 1..8 devices", "~5 min (quick ~1 min)")
 register("checkpoint", "jaxpar.bench.checkpoint:run", "async vs sync save blocking, and the throughput cost of saving", "~3 min (quick ~1 min)")
 register("recovery", "jaxpar.bench.recovery:run", "restart time (spares + compile cache vs cold), goodput under kills", "~45 min (quick ~8 min)")
-register("pipeline", "jaxpar.bench.pipeline:run", "GPipe and circular schedules: step time and bubble vs prediction", "~10 min (quick ~2 min)")
+register("pipeline", "jaxpar.bench.pipeline:run", "every pipeline schedule: step time and bubble vs the table's, per-stage time and a split", "~10 min (quick ~2 min)")
 register("comm", "jaxpar.bench.comm:run", "gradient all-reduce fp32 / bf16 / int8 / DiLoCo: bytes and loss", "~5 min (quick ~1 min)")
 register("precision", "jaxpar.bench.precision:run", "fp32 vs bf16 compute, remat off vs on: time, memory, loss", "~3 min (quick ~1 min)")
 register("data", "jaxpar.bench.data:run", "tokens source: prepare speed, examples/s per process vs what a step consumes", "~5 min (quick ~1 min)")

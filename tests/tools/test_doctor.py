@@ -90,9 +90,17 @@ def test_the_mixed_preset_compiles_without_rematerializations(tmp_path):
     assert c.warnings == []
 
 
+# XLA's SPMD partitioner aborts the process on gpt_tiny's step for this layout (a failed check
+# in spmd_partitioner_util.cc, also under `jaxpar inspect`): a crash, not a rematerialization,
+# and one that would take the test session down with it.
+ABORTS = {"fsdp2_tp2_pp2"}
+
+
 def _eight_device_presets():
     out = []
     for name, p in PRESETS.items():
+        if name in ABORTS:
+            continue
         try:
             n = p.mesh.resolve(8).size
         except ValueError:

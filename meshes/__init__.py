@@ -12,6 +12,12 @@ from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
 
 P = MeshSpec.parse
 
+# The token table's rows over tensor and fsdp together, not its `embed` columns over fsdp: where
+# fsdp and another axis both split the batch, the lookup cannot take fsdp from the columns (XLA
+# replicates the table: an involuntary full rematerialization; jaxpar inspect --doctor). Not in
+# the default table: XLA's partitioner aborts on it under a pipeline.
+VOCAB_SPLIT = (("vocab", ("tensor", "fsdp")), *PARAM_RULES)
+
 PRESETS: dict[str, Preset] = {
     # One device: the 1x1x1x1 mesh, not a separate code path.
     "cpu1": Preset(P("data=1"), description="one device"),
@@ -20,14 +26,7 @@ PRESETS: dict[str, Preset] = {
     "fsdp8": Preset(P("data=1,fsdp=8"), description="ZeRO-3: params + optimizer state 8 ways"),
     "dp2_tp4": Preset(P("data=2,tensor=4"), description="2 replicas x Megatron TP 4"),
     "dp4_tp2": Preset(P("data=4,tensor=2"), description="4 replicas x Megatron TP 2"),
-    # The token table's rows over tensor and fsdp together, not its `embed` columns over fsdp:
-    # with data and fsdp both splitting the batch, a lookup cannot take fsdp from the columns
-    # (XLA replicates the table: an involuntary full rematerialization; jaxpar inspect --doctor).
-    "dp2_fsdp2_tp2": Preset(
-        P("data=2,fsdp=2,tensor=2"),
-        (("vocab", ("tensor", "fsdp")), *PARAM_RULES),
-        description="DP x FSDP x TP",
-    ),
+    "dp2_fsdp2_tp2": Preset(P("data=2,fsdp=2,tensor=2"), VOCAB_SPLIT, description="DP x FSDP x TP"),
     "fsdp4_tp2": Preset(P("data=1,fsdp=4,tensor=2"), description="FSDP x TP"),
     # GPU and TPU layouts; multi-host ones put the processes on the batch axes (DCN).
     "h200x1": Preset(P("data=1"), description="one H200"),
@@ -53,12 +52,16 @@ PRESETS: dict[str, Preset] = {
     # Context parallelism (long sequences; --set model.attention=ring|allgather|alltoall).
     "dp2_cp4": Preset(P("data=2,context=4"), description="2 replicas x sequence split 4 ways"),
     "fsdp2_cp2_tp2": Preset(
-        P("data=1,fsdp=2,tensor=2,context=2"), description="FSDP x TP x sequence split 2 ways"
+        P("data=1,fsdp=2,tensor=2,context=2"),
+        VOCAB_SPLIT,
+        description="FSDP x TP x sequence split 2 ways",
     ),
     # Expert parallelism (mixture-of-experts models: experts split, tokens sent by all-to-all).
     "dp2_ep4": Preset(P("data=2,expert=4"), description="2 replicas x experts split 4 ways"),
     "fsdp2_ep2_tp2": Preset(
-        P("data=1,fsdp=2,tensor=2,expert=2"), description="FSDP x TP x experts split 2 ways"
+        P("data=1,fsdp=2,tensor=2,expert=2"),
+        VOCAB_SPLIT,
+        description="FSDP x TP x experts split 2 ways",
     ),
 }
 

@@ -22,25 +22,17 @@ pytestmark = pytest.mark.slow
 SAVED_AT = 3
 
 
-def steps(jp, built, state, start, n) -> tuple[dict, list[float]]:
-    out = []
-    for step in range(start, start + n):
-        state, m = built.program.train_step(state, jp.device_batch(built, step))
-        out.append(float(m["loss"]))
-    return state, out
-
-
 @pytest.fixture(scope="module")
 def saved_on_context(jp, tmp_path_factory):
     """gpt_tiny (seq_len 64) trained 3 steps on dp2_cp4, saved, and its next step's loss."""
     cfg = jp.recipe("gpt_tiny", steps=10)
     built = jp.build(cfg, "dp2_cp4")
-    state, _ = steps(jp, built, built.program.init(), 0, SAVED_AT)
+    state, _ = jp.train_steps(built, built.program.init(), 0, SAVED_AT)
     rundir = RunDir(str(tmp_path_factory.mktemp("ctx") / "run"))
     ckpt = Checkpointer(rundir, every=SAVED_AT, keep=2, meta={"config_hash": "gpt_tiny"})
     ckpt.save(SAVED_AT, state)
     ckpt.close()
-    _, nxt = steps(jp, built, state, SAVED_AT, 1)
+    _, nxt = jp.train_steps(built, state, SAVED_AT, 1)
     return rundir, nxt[0], cfg
 
 
@@ -52,7 +44,7 @@ def test_restore_across_context_layouts_gives_the_same_next_loss(jp, saved_on_co
     state, meta = ckpt.restore(built.program.abstract_state)
     ckpt.close()
     assert meta["step"] == SAVED_AT
-    _, got = steps(jp, built, state, SAVED_AT, 1)
+    _, got = jp.train_steps(built, state, SAVED_AT, 1)
     print(f"\n[context reshard] dp2_cp4 -> {target}: next loss {got[0]!r} vs {want!r}")
     assert abs(got[0] - want) <= 1e-6 * abs(want)
     assert jax.tree.leaves(state)  # restored onto the target's shardings

@@ -31,26 +31,18 @@ def host(tree) -> dict:
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def steps(jp, built, state, start, n) -> tuple[dict, list[float]]:
-    out = []
-    for step in range(start, start + n):
-        state, m = built.program.train_step(state, jp.device_batch(built, step))
-        out.append(float(m["loss"]))
-    return state, out
-
-
 @pytest.fixture(scope="module")
 def saved_on_dp8(jp, tmp_path_factory):
     """Train dp8 for 10 steps, save, train 5 more: (run dir, host state at 10, losses 11-15)."""
     cfg = apply_overrides(jp.recipe("gpt_tiny", steps=30), list(SMALL[1::2]))
     dp8 = jp.build(cfg, "dp8")
-    state, _ = steps(jp, dp8, dp8.program.init(), 0, SAVED_AT)
+    state, _ = jp.train_steps(dp8, dp8.program.init(), 0, SAVED_AT)
     saved = host(state)
     run = RunDir(str(tmp_path_factory.mktemp("reshard") / "run"))
     ckpt = Checkpointer(run, every=SAVED_AT, keep=2, meta={"config_hash": "gpt_tiny"})
     ckpt.save(SAVED_AT, state)
     ckpt.close()
-    _, losses = steps(jp, dp8, state, SAVED_AT, MORE)
+    _, losses = jp.train_steps(dp8, state, SAVED_AT, MORE)
     return run, saved, losses, cfg
 
 
@@ -71,7 +63,7 @@ def test_restore_onto_another_layout_is_bitwise_and_trains_on(jp, saved_on_dp8, 
         jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(saved), strict=True
     ):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
-    _, losses = steps(jp, built, state, SAVED_AT, MORE)
+    _, losses = jp.train_steps(built, state, SAVED_AT, MORE)
     np.testing.assert_allclose(losses, dp8_losses, rtol=2e-5, atol=0)
 
 

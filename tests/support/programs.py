@@ -71,6 +71,15 @@ def device_batch(b: Built, step: int) -> dict:
     return data_lib.to_device(rows, b.program.batch_shardings, b.cfg.data.global_batch)
 
 
+def train_steps(b: Built, state: dict, start: int, n: int) -> tuple[dict, list[float]]:
+    """Run b's train step for steps start .. start+n-1 eagerly: (state, losses)."""
+    losses = []
+    for step in range(start, start + n):
+        state, m = b.program.train_step(state, device_batch(b, step))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
 def compile_train_step(b: Built):
     """The AOT-compiled train step (what the trainer runs; audits read its HLO)."""
     spec = data_lib.batch_spec(b.source, b.cfg.data.global_batch)

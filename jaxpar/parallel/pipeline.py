@@ -29,14 +29,20 @@ microbatches ever live at once: m for gpipe and circular, p for 1f1b and zero_bu
 is. That bound is the point of 1F1B: activation memory no longer grows with m, the number that
 shrinks the bubble.
 
-Stage 0's F embeds its microbatch and its B takes the gradient into the embedding; the last
-stage's F runs the head and the loss (its gradient is the B's input). Their gradients, and the
-loss, are summed over the stages and data replicas once per step, after the loop.
+The embedding runs before the loop, outside the shard_map, automatically sharded; stage 0's F
+takes its microbatch of the embedded batch and its B keeps the gradient of it, which goes back
+through the embedding after the loop. The last stage's F runs the head and the loss (its
+gradient is the B's input). The gradients, and the loss, are summed over the stages and data
+replicas once per step, after the loop.
 
 Collectives. The step is one `shard_map` manual over `pipeline` and `data` (tensor and fsdp stay
-automatic), so gradients are reduced once per step, not once per tick. The loss takes its targets
-with a one-hot product (XLA CPU aborts partitioning a gather inside a shard_map whose fsdp and
-tensor axes are both automatic).
+automatic), so gradients are reduced once per step, not once per tick. XLA's SPMD partitioner
+aborts the process (a failed check in spmd_partitioner_util.cc, with its default flags) on a
+gather inside a shard_map whose fsdp and tensor axes are both automatic, as on fsdp2_tp2_pp2:
+so the embedding's lookup (and its scatter-add gradient) stays outside the shard_map, and the
+loss takes its targets with a one-hot product. The price: every stage receives the embedded
+batch and keeps one buffer of its gradient (B x T x D per data replica each, whatever the
+schedule).
 
 Dropout keys fold in the microbatch and the layer index: deterministic in (seed, step), but
 not the same random bits as the unpipelined model (whose parity tests run without dropout).
@@ -66,7 +72,13 @@ from jaxpar.config import PipelineConfig, TrainConfig
 from jaxpar.engine.mesh import DATA, batch_parallel_size
 from jaxpar.engine.rules import activation_rules
 from jaxpar.parallel import schedules
-from jaxpar.parallel.base import Context, Strategy, merge, split_microbatches
+from jaxpar.parallel.base import (
+    Context,
+    Strategy,
+    join_microbatches,
+    merge,
+    split_microbatches,
+)
 from jaxpar.parallel.schedules import SCHEDULES
 
 AXIS = "pipeline"
@@ -221,8 +233,8 @@ MANUAL = (DATA, AXIS)
 
 # ---- the executor -------------------------------------------------------------------------------
 
-# The loop's branches: what a stage does at a tick (F_FIRST embeds, F_LAST runs the head and the
-# loss, B_FIRST takes the gradient back into the embedding).
+# The loop's branches: what a stage does at a tick (F_FIRST takes an embedded microbatch, F_LAST
+# runs the head and the loss, B_FIRST keeps the gradient of the embedded microbatch).
 IDLE, F, F_FIRST, F_LAST, B, B_FIRST, W = range(7)
 
 
@@ -258,10 +270,11 @@ def loop_tables(sched: Schedule) -> dict[str, np.ndarray]:
 
 
 def _execute(
-    sched: Schedule, parts: Parts, prec: Any, rest: dict, w_VK: dict, tokens_MBT, targets_MBT, key
+    sched: Schedule, parts: Parts, prec: Any, rest: dict, w_VK: dict, x_MBTD, targets_MBT, key
 ) -> tuple:
-    """The schedule's table on one stage, as one loop: returns (loss share, rest grads, block
-    grads [v, k, ...]), this stage's and data replica's parts of the sums.
+    """The schedule's table on one stage, as one loop: returns (loss share, head grads, block
+    grads [v, k, ...], gradient of the embedded microbatches [m, B, T, D]), this stage's and data
+    replica's parts of the sums (the last only on stage 0).
 
     Every tick the stage runs its work item (a `lax.switch` on the table), then passes its
     forward output one stage on and its input gradient one stage back (two `ppermute`s).
@@ -275,16 +288,13 @@ def _execute(
     tables = {name: jnp.asarray(a) for name, a in loop_tables(sched).items()}
     k = jax.tree.leaves(w_VK)[0].shape[1]
     stage = lax.axis_index(AXIS)
-    m, b, t = tokens_MBT.shape
+    m, b, t = targets_MBT.shape
     norm = b * m * t  # this data replica's tokens: the loss is their mean
     fwd_ring = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
     bwd_ring = [(s, (s - 1) % p) for s in range(p)] if v > 1 else [(s, s - 1) for s in range(1, p)]
 
     def model_of(r):
         return merge(parts.graphdef, parts.template, _put(prec.cast(r), parts.path, w_VK))
-
-    def embed(r, i):
-        return model_of(r).pipeline_parts()[0](tokens_MBT[i], jax.random.fold_in(key, m + i))
 
     def head_loss(r, y_BTD, i):
         logits_BTV = model_of(r).pipeline_parts()[2](y_BTD).astype(jnp.float32)
@@ -312,7 +322,7 @@ def _execute(
         return y_BTD, leaves
 
     w0 = jax.tree.map(lambda a: a[0], w_VK)
-    x0 = jax.eval_shape(embed, rest, jnp.int32(0))
+    x0 = jax.ShapeDtypeStruct(x_MBTD.shape[1:], x_MBTD.dtype)
     # Traced once with a traced group and microbatch, as in the loop; filled per work item.
     _, res0 = jax.eval_shape(forward, w0, x0, jnp.int32(0), jnp.int32(0))
     treedef = structure[0]
@@ -329,6 +339,7 @@ def _execute(
         "res": [buf(r.shape, r.dtype) for r in res0],
         "gw": f32_zeros(w_VK),
         "grest": f32_zeros(rest),
+        "gx": jnp.zeros(x_MBTD.shape, x_MBTD.dtype),  # stage 0: the embedding output's gradient
         "loss": jnp.zeros((), jnp.float32),
     }
     zero_x = jnp.zeros(x0.shape, x0.dtype)
@@ -359,7 +370,7 @@ def _execute(
         return st, y_BTD, zero_x
 
     def f_first(st, c, slot, i):
-        st, y_BTD = run_forward(st, c, slot, i, embed(rest, i))
+        st, y_BTD = run_forward(st, c, slot, i, x_MBTD[i])
         return st, y_BTD, zero_x
 
     def f_last(st, c, slot, i):
@@ -376,9 +387,8 @@ def _execute(
         return st, zero_x, input_grad(st, c, slot)
 
     def b_first(st, c, slot, i):
-        _, embed_vjp = jax.vjp(lambda r: embed(r, i), rest)
-        g_rest = embed_vjp(input_grad(st, c, slot))[0]
-        return {**st, "grest": add_all(st["grest"], g_rest)}, zero_x, zero_x
+        gx = lax.dynamic_update_index_in_dim(st["gx"], input_grad(st, c, slot), i, 0)
+        return {**st, "gx": gx}, zero_x, zero_x
 
     def weight_grad(st, c, slot, i):
         g_K = pullback(st, c, slot)(st["g"][c, slot])[0]
@@ -399,7 +409,7 @@ def _execute(
         return st, None
 
     st, _ = lax.scan(tick, state0, jnp.arange(tab.ticks))
-    return st["loss"], st["grest"], st["gw"]
+    return st["loss"], st["grest"], st["gw"], st["gx"]
 
 
 def _cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
@@ -447,30 +457,32 @@ def pipeline_grads(ctx: Context) -> Callable:
     d, p, v = mesh.shape[DATA], sched.stages, sched.repeats
     prec = ctx.prec  # casts inside the differentiated functions: float32 gradients
 
-    def local(rest, w_sm, tokens_BT, targets_BT, key):
+    def local(rest, w_sm, x_BTD, targets_BT, key):
         # rest: embedding/head, replicated over stages; w_sm leaves [1, v, k, ...]: this stage;
-        # tokens_BT, targets_BT: this data replica's rows.
+        # x_BTD (embedded), targets_BT: this data replica's rows.
         key = jax.random.fold_in(key, lax.axis_index(DATA))
         w_VK = jax.tree.map(lambda a: a[0], w_sm)
         # Microbatch i takes rows i, i+m, ...: each fsdp shard keeps an equal share of every one.
-        tokens_MBT, targets_MBT = split_microbatches((tokens_BT, targets_BT), sched.microbatches)
+        x_MBTD, targets_MBT = split_microbatches((x_BTD, targets_BT), sched.microbatches)
         with activation_rules(mesh, ctx.act_rules, manual=MANUAL):
-            loss, g_rest, g_VK = _execute(
-                sched, parts, prec, rest, w_VK, tokens_MBT, targets_MBT, key
+            loss, g_rest, g_VK, g_MBTD = _execute(
+                sched, parts, prec, rest, w_VK, x_MBTD, targets_MBT, key
             )
-        # The embedding's gradient is on stage 0, the head's on the last stage, each a partial
-        # sum per data replica: one reduction each per step, none inside the tick loop.
+        # The head's gradient is on the last stage, the embedded input's on stage 0, each a
+        # partial sum per data replica: one reduction each per step, none inside the tick loop
+        # (the input's in float32).
         loss, g_rest = lax.psum((loss, g_rest), MANUAL)
         g_VK = lax.psum(g_VK, DATA)
-        loss, g_rest, g_VK = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK))
-        return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK)
+        g_BTD = lax.psum(join_microbatches(g_MBTD).astype(jnp.float32), AXIS)
+        loss, g_rest, g_VK, g_BTD = jax.tree.map(lambda x: x / d, (loss, g_rest, g_VK, g_BTD))
+        return loss, g_rest, jax.tree.map(lambda a: a[None], g_VK), g_BTD
 
     rows, stage = PartitionSpec(DATA), PartitionSpec(AXIS)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), stage, rows, rows, PartitionSpec()),
-        out_specs=(PartitionSpec(), PartitionSpec(), stage),
+        out_specs=(PartitionSpec(), PartitionSpec(), stage, rows),
         axis_names=set(MANUAL),
         check_vma=False,
     )
@@ -478,8 +490,19 @@ def pipeline_grads(ctx: Context) -> Callable:
     def grads_fn(params, batch, key):
         blocks = _get(params, parts.path)
         rest = _put(params, parts.path, None)
+        k_embed, k_blocks = jax.random.split(key)
+
+        def embed(rest):
+            model = merge(graphdef, template, prec.cast(_put(rest, parts.path, blocks)))
+            return model.pipeline_parts()[0](batch["inputs"], k_embed)
+
+        # The embedding (a gather; its gradient a scatter) runs outside the shard_map,
+        # automatically sharded: XLA's SPMD partitioner aborts the process partitioning it
+        # inside one whose fsdp and tensor axes are both automatic.
+        x_BTD, embed_vjp = jax.vjp(embed, rest)
         w_sm = jax.tree.map(lambda a: to_stage_major(a, p, v), blocks)
-        loss, g_rest, g_sm = mapped(rest, w_sm, batch["inputs"], batch["targets"], key)
+        loss, g_rest, g_sm, g_BTD = mapped(rest, w_sm, x_BTD, batch["targets"], k_blocks)
+        g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g_BTD.astype(x_BTD.dtype))[0])
         grads = _put(g_rest, parts.path, jax.tree.map(to_layer_major, g_sm))
         return loss, {}, grads
 

@@ -90,10 +90,9 @@ def test_the_mixed_preset_compiles_without_rematerializations(tmp_path):
     assert c.warnings == []
 
 
-# XLA's SPMD partitioner aborts the process on gpt_tiny's step for this layout (a failed check
-# in spmd_partitioner_util.cc, also under `jaxpar inspect`): a crash, not a rematerialization,
-# and one that would take the test session down with it.
-ABORTS = {"fsdp2_tp2_pp2"}
+# Layouts whose compilation XLA's SPMD partitioner aborts (a crash, not a rematerialization,
+# and one that would take the test session down with it): none today.
+ABORTS: set[str] = set()
 
 
 def _eight_device_presets():

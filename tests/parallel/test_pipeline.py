@@ -280,13 +280,12 @@ def _in_child(request, layout) -> bool:
 @pytest.mark.parametrize(
     "layout, schedule, m, v",
     [
+        # One combination per schedule (gpipe on data x fsdp x tensor x pipeline: the 16-device
+        # test below; every schedule on pipeline=2 and 4 alone: test_bounded_memory_schedules_*).
         ("dp2_pp4", "gpipe", 8, 1),
         ("dp2_tp2_pp2", "circular", 4, 2),
-        ("fsdp2_tp2_pp2", "gpipe", 4, 1),
-        ("dp2_pp4", "1f1b", 4, 1),
         ("dp2_pp4", "zero_bubble", 8, 1),
         ("dp2_tp2_pp2", "interleaved_1f1b", 2, 2),
-        ("fsdp2_tp2_pp2", "zero_bubble", 2, 1),
         ("fsdp2_tp2_pp2", "1f1b", 4, 1),
     ],
 )
@@ -371,7 +370,7 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
 @pytest.mark.slow
 def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
     """Save under gpipe on 2 stages, resume under 1f1b, then zero_bubble on 4 stages: each
-    resumed step's loss is the uninterrupted gpipe run's within 1e-6; resuming 1f1b under 1f1b
+    resumed step's loss is the uninterrupted 1f1b run's within 1e-6; resuming 1f1b under 1f1b
     is bitwise."""
     from jaxpar.worker.training import run
 
@@ -381,7 +380,7 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
         run(cfg, jp.preset(layout), str(run_dir), progress=False)
         return _losses(run_dir)
 
-    ref = go("dp4_pp2", "gpipe", 4, tmp_path / "ref")
+    ref = go("dp4_pp2", "1f1b", 4, tmp_path / "ref")  # uninterrupted
     shared = tmp_path / "shared"
     go("dp4_pp2", "gpipe", 2, shared)
     go("dp4_pp2", "1f1b", 3, shared)  # restores step 2
@@ -393,5 +392,4 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
     again = tmp_path / "again"
     go("dp4_pp2", "1f1b", 3, again)
     whole = go("dp4_pp2", "1f1b", 4, again)
-    alone = go("dp4_pp2", "1f1b", 4, tmp_path / "alone")
-    assert whole[4] == alone[4]
+    assert whole[4] == ref[4]

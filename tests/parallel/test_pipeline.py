@@ -16,7 +16,6 @@ import json
 import os
 import pickle
 import re
-import subprocess
 import sys
 
 import jax
@@ -259,20 +258,7 @@ def _share(reference, layers, tmp_path, monkeypatch) -> None:
 
 def _in_child(request, layout) -> bool:
     """True in a subprocess running this test (XLA CPU may abort a process for some layouts)."""
-    if os.environ.get(CHILD):
-        return True
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-n", "0", "-p", "no:cacheprovider",
-         helpers.plain_nodeid(request.node)],
-        cwd=str(request.config.rootpath), env=dict(os.environ, **{CHILD: "1"}),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, (
-        f"{layout} in a subprocess failed (rc {proc.returncode}; negative = killed by a signal, "
-        f"e.g. an XLA abort):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    print(proc.stdout[-500:])
-    return False
+    return helpers.in_child(request, CHILD, layout)
 
 
 @pytest.mark.slow

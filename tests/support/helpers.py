@@ -140,3 +140,25 @@ def plain_nodeid(item) -> str:
     mark = item.get_closest_marker("xdist_group")
     suffix = f"@{mark.args[0]}" if mark and mark.args else ""
     return item.nodeid[: -len(suffix)] if suffix and item.nodeid.endswith(suffix) else item.nodeid
+
+
+def in_child(request, env_name: str, what: str) -> bool:
+    """True when running in the fresh pytest subprocess that runs this one test (marked by the
+    environment variable `env_name`); otherwise run that subprocess, assert it passed, and
+    return False. For tests that need a process of their own: an XLA abort must not take the
+    session down, or the test reads process-wide state (XLA's warnings on stderr) that earlier
+    tests in the same worker may have changed."""
+    if os.environ.get(env_name):
+        return True
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-n", "0", "-p", "no:cacheprovider",
+         plain_nodeid(request.node)],
+        cwd=str(request.config.rootpath), env=dict(os.environ, **{env_name: "1"}),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (
+        f"{what} in a subprocess failed (rc {proc.returncode}; negative = killed by a signal, "
+        f"e.g. an XLA abort):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    print(proc.stdout[-500:])
+    return False

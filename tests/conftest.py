@@ -42,6 +42,7 @@ def _xla_flags(existing: str, devices: int) -> str:
 
 # Must happen before jax creates its CPU backend (the first jax.devices() call).
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
+helpers.START_ENV.update(os.environ)
 
 import jax
 import pytest

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 
 from jaxpar.data import sources as data_lib
@@ -99,14 +100,18 @@ def compile_captured(lowered) -> Compiled:
 
 def compile_warned(lowered, options: dict | None = None) -> tuple[object, str]:
     """(compiled, stderr text of the compilation). jax's persistent cache is bypassed: a program
-    loaded from it is not partitioned again, so it would report no warnings."""
+    loaded from it is not partitioned again, so it would report no warnings. jax decides once per
+    process whether the cache is in use, so the decision is reset around the compilation (the
+    config switch alone has no effect after the process's first compilation)."""
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         with captured_stderr() as err:
             compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()  # decided again, with the cache's own setting, next time
     return compiled, err[0]
 
 

@@ -33,6 +33,9 @@ XLA_TEST_FLAGS = (
 )
 CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
 LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snapshot tier root
+# The environment the test process started with (conftest records it before any test runs): what
+# `in_child` gives its subprocess, so nothing an earlier test left in os.environ reaches it.
+START_ENV: dict[str, str] = dict(os.environ)
 # gpt_tiny made smaller for runs whose point is not the model (checkpoints, faults, supervision):
 # a step takes ~0.04 s instead of ~0.5 s on 8 simulated devices, and it compiles in seconds.
 SMALL = ("--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128")
@@ -142,6 +145,13 @@ def plain_nodeid(item) -> str:
     return item.nodeid[: -len(suffix)] if suffix and item.nodeid.endswith(suffix) else item.nodeid
 
 
+def _child_env(env_name: str) -> dict[str, str]:
+    """START_ENV, not an xdist worker's (the child is a session of its own), marked `env_name`."""
+    env = {k: v for k, v in START_ENV.items() if not k.startswith("PYTEST_")}
+    env[env_name] = "1"
+    return env
+
+
 def in_child(request, env_name: str, what: str) -> bool:
     """True when running in the fresh pytest subprocess that runs this one test (marked by the
     environment variable `env_name`); otherwise run that subprocess, assert it passed, and
@@ -153,7 +163,7 @@ def in_child(request, env_name: str, what: str) -> bool:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-n", "0", "-p", "no:cacheprovider",
          plain_nodeid(request.node)],
-        cwd=str(request.config.rootpath), env=dict(os.environ, **{env_name: "1"}),
+        cwd=str(request.config.rootpath), env=_child_env(env_name),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, (

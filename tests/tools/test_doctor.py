@@ -16,6 +16,7 @@ from jaxpar.engine.mesh import make_mesh
 from jaxpar.engine.rules import PARAM_RULES
 from jaxpar.meshes import PRESETS
 from jaxpar.tools import doctor
+from jaxpar.worker.training import setup
 from tests.support import helpers
 
 WARNING = (
@@ -83,12 +84,31 @@ def test_the_proposed_rule_change_is_verified_by_recompiling(request, tmp_path):
         return
     preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
     result = doctor.doctor(small_gpt(), preset, str(tmp_path))
+    assert result["remats"], "the planted rule must make XLA rematerialize (no warning was logged)"
+    assert result["proposals"], "\n".join(doctor.doctor_lines(result))
     best = result["proposals"][0]
     assert best.remats_before > 0 and best.remats_after == 0
     # the winner keeps the parameters sharded: no more argument bytes than the planted table
     assert best.args_after <= best.args_before
     c, _ = doctor.verify(small_gpt(), best.preset, str(tmp_path))
     assert c.warnings == []
+
+
+def test_a_program_in_the_persistent_cache_still_reports_its_warnings(request, tmp_path):
+    """A program another process already put in jax's persistent cache would load without being
+    partitioned again, and so without a warning: the doctor bypasses the cache even after the
+    process has compiled with it (jax decides once per process whether the cache is in use)."""
+    if not helpers.in_child(request, "JAXPAR_DOCTOR_CHILD", "the doctor with a warm cache"):
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
+    s = setup(small_gpt(), preset, str(tmp_path / "run"), create=False)
+    doctor.lower_step(s).compile()  # cached, as an earlier test or run would have left it
+    assert os.listdir(tmp_path / "jax-cache"), "the program must be in the persistent cache"
+    c, _ = doctor.verify(small_gpt(), preset, str(tmp_path / "run"))
+    assert c.warnings, "a program from the cache was reported without its warnings"
 
 
 def test_the_mixed_preset_compiles_without_rematerializations(tmp_path):

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxpar.data import sources as data_lib
 from jaxpar.engine import collectives

@@ -95,6 +95,37 @@ class PipelineConfig:
     schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zero_bubble
     microbatches: int = 4  # m: microbatches per step
     repeats: int = 1  # v: layer groups per stage (circular and interleaved_1f1b)
+    # Layers per stage, e.g. "3,3,2,2" (or a tuple from a recipe): one entry per `pipeline` stage,
+    # summing to the model's layers; "" splits them evenly. See stage_split().
+    stage_layers: str = ""
+
+
+def stage_split(cfg: PipelineConfig) -> tuple[int, ...]:
+    """pipeline.stage_layers as a tuple of ints (() when empty); ValueError names the fix.
+
+    Accepts "3,3,2,2", "[3, 3, 2, 2]" (the form `jaxpar bench pipeline` prints) or a tuple. The
+    count and the sum are checked against the mesh and the model where the pipeline is built."""
+    raw = cfg.stage_layers
+    text = ",".join(map(str, raw)) if isinstance(raw, tuple | list) else str(raw)
+    text = text.strip().strip("[]()").replace(" ", "")
+    if not text:
+        return ()
+    try:
+        split = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        split = None
+    if split is None or min(split) < 1:
+        raise ValueError(
+            f"pipeline.stage_layers={raw!r}: give whole layer counts >= 1 per stage, "
+            f"e.g. --set pipeline.stage_layers=3,3,2,2 (or leave it empty for an even split)"
+        )
+    if cfg.schedule in ("circular", "interleaved_1f1b"):
+        raise ValueError(
+            f"pipeline.stage_layers with pipeline.schedule={cfg.schedule}: uneven stages take "
+            f"one contiguous group of layers each; use pipeline.schedule=gpipe, 1f1b or "
+            f"zero_bubble, or drop pipeline.stage_layers"
+        )
+    return split
 
 
 @dataclass(frozen=True)
@@ -498,6 +529,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                       ("run.compile_cache_dir", cfg.run.compile_cache_dir)):  # fmt: skip
         _check_dir(key, path)
     _check_seq_len(cfg)
+    stage_split(cfg.pipeline)
     restore = cfg.ckpt.restore
     if restore not in ("latest", "none") and not restore.isdigit():
         raise ValueError(f"ckpt.restore={restore!r}: use latest, none or a step number")

@@ -68,9 +68,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.config import PipelineConfig, TrainConfig
+from jaxpar.config import PipelineConfig, TrainConfig, stage_split
 from jaxpar.engine.mesh import DATA, batch_parallel_size
-from jaxpar.engine.rules import activation_rules
+from jaxpar.engine.rules import Rules, activation_rules
 from jaxpar.parallel import schedules
 from jaxpar.parallel.base import (
     Context,
@@ -92,12 +92,14 @@ class PipelineModel(Protocol):
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule: p stages, m microbatches, v layer groups per stage."""
+    """A pipeline schedule: p stages, m microbatches, v layer groups per stage; `split`, when the
+    stages hold different layer counts (pipeline.stage_layers, v = 1), the count per stage."""
 
     kind: str
     stages: int
     microbatches: int
     repeats: int = 1
+    split: tuple[int, ...] = ()
 
     @property
     def table(self) -> schedules.Table:
@@ -114,11 +116,23 @@ class Schedule:
         return self.table.bubble
 
     def group_size(self, num_layers: int) -> int:
-        """k: layers a stage applies per work item."""
+        """k: layers a stage applies per work item (uneven stages: the most any stage holds, the
+        padded size of every stage's slice)."""
+        if self.split:
+            return max(self.split)
         return num_layers // (self.stages * self.repeats)
+
+    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
+        return self.split or (num_layers // self.stages,) * self.stages
+
+    def starts(self) -> tuple[int, ...]:
+        """Uneven stages: the index of each stage's first layer."""
+        return tuple(int(x) for x in np.cumsum((0, *self.split[:-1])))
 
     def stage_of(self, layer: int, num_layers: int) -> int:
         """The stage holding `layer`: groups of k layers are dealt round the stages."""
+        if self.split:
+            return int(np.searchsorted(np.cumsum(self.split), layer, side="right"))
         return (layer // self.group_size(num_layers)) % self.stages
 
 
@@ -144,13 +158,60 @@ def make_schedule(cfg: PipelineConfig, stages: int, num_layers: int) -> Schedule
             f"pipeline.microbatches={m}: interleaved_1f1b takes microbatches in groups of the "
             f"{stages} stages; set pipeline.microbatches to a multiple of {stages}"
         )
+    split = stage_split(cfg)
+    if split:
+        text = ",".join(map(str, split))
+        if len(split) != stages:
+            raise ValueError(
+                f"pipeline.stage_layers={text} has {len(split)} entries but the mesh has "
+                f"pipeline={stages}: give one layer count per stage"
+            )
+        if sum(split) != num_layers:
+            raise ValueError(
+                f"pipeline.stage_layers={text} sums to {sum(split)} but the model has "
+                f"{num_layers} layers: make the counts add up to {num_layers}"
+            )
+        # An even split runs as one: same layout, no skipped slots.
+        return Schedule(kind, stages, m, v, split if len(set(split)) > 1 else ())
     if num_layers % (stages * v):
         raise ValueError(
             f"{num_layers} layers are not divisible by pipeline stages ({stages}) x "
             f"pipeline.repeats ({v}); change the layer count, the `pipeline` mesh "
-            f"axis or pipeline.repeats"
+            f"axis or pipeline.repeats, or split them with --set pipeline.stage_layers=..."
         )
     return Schedule(kind, stages, m, v)
+
+
+def param_rules(cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State,
+                rules: Rules) -> Rules:  # fmt: skip
+    """The parameter rules for the pipeline's stage split (called before shardings are built).
+
+    With pipeline.stage_layers set, the split is checked against the mesh and the model first
+    (one-line errors). A layer count the stages do not divide cannot be sharded over `pipeline`:
+    the layers dimension then stays whole on every stage (no rule maps it to `pipeline`), and
+    each stage slices its own layers locally inside the step."""
+    split = stage_split(cfg.pipeline)
+    p = mesh.shape[AXIS]
+    if not split:
+        return rules
+    if p == 1:
+        if len(split) != 1:
+            raise ValueError(
+                f"pipeline.stage_layers={cfg.pipeline.stage_layers} names {len(split)} stages "
+                f"but the mesh has pipeline=1: use a mesh with pipeline={len(split)} or drop "
+                f"pipeline.stage_layers"
+            )
+        return rules
+    n = model_parts(graphdef, template).num_layers
+    make_schedule(cfg.pipeline, p, n)
+    if n % p == 0:
+        return rules
+    return tuple((name, tuple(a for a in _axes(axes) if a != AXIS) or None)
+                 for name, axes in rules)  # fmt: skip
+
+
+def _axes(axes: Any) -> tuple:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 # ---- the model's parts ---------------------------------------------------------------------------
@@ -224,6 +285,26 @@ def to_layer_major(a: jax.Array) -> jax.Array:
     """Inverse of to_stage_major: [p, v, k, ...] -> [L, ...]."""
     p, v, k = a.shape[:3]
     return a.swapaxes(0, 1).reshape(p * v * k, *a.shape[3:])
+
+
+def split_index(split: tuple[int, ...]) -> np.ndarray:
+    """Uneven stages: [p, k] layer indices of each stage's padded slice (k = max(split)); a
+    padded slot repeats the stage's last layer (its values are never used)."""
+    k, starts = max(split), np.cumsum((0, *split[:-1]))
+    return np.array([[a + min(j, n - 1) for j in range(k)]
+                     for a, n in zip(starts, split, strict=True)])  # fmt: skip
+
+
+def to_uneven_stages(a: jax.Array, split: tuple[int, ...]) -> jax.Array:
+    """[L, ...] layer-major -> [p, 1, k, ...]: stage s's layers, padded to k = max(split)."""
+    return a[split_index(split)][:, None]
+
+
+def from_uneven_stages(a: jax.Array, split: tuple[int, ...]) -> jax.Array:
+    """Inverse of to_uneven_stages: [p, 1, k, ...] -> [L, ...]; the padded slots are dropped."""
+    k = a.shape[2]
+    rows = [s * k + j for s, n in enumerate(split) for j in range(n)]
+    return a.reshape(-1, *a.shape[3:])[np.array(rows)]
 
 
 # The pipeline's shard_map is manual over these; fsdp and tensor stay automatic. `data` is manual
@@ -300,16 +381,29 @@ def _execute(
         logits_BTV = model_of(r).pipeline_parts()[2](y_BTD).astype(jnp.float32)
         return _cross_entropy(logits_BTV, targets_MBT[i]).sum() / norm
 
+    if sched.split:  # uneven stages: k = the most layers a stage holds, padded slots skipped
+        first_of = jnp.asarray(sched.starts(), jnp.int32)[stage]
+        count = jnp.asarray(sched.split, jnp.int32)[stage]
+
     def group(w_K, x_BTD, c, i):
-        first = (c * p + stage) * k  # index of the group's first layer in the model
+        # index of the group's first layer in the model
+        first = first_of if sched.split else (c * p + stage) * k
         w_K = prec.cast(w_K)
         # Unrolled (k is small): an inner while loop slicing the weights ran about 2x slower
         # per layer on CPU than straight-line code.
         for j in range(k):
-            block = merge(parts.block_graphdef, parts.block_template,
-                           jax.tree.map(lambda a, j=j: a[j], w_K))  # fmt: skip
-            kj = jax.random.fold_in(jax.random.fold_in(key, i), first + j)
-            x_BTD = block(x_BTD, kj)
+
+            def apply(x_BTD, j=j):
+                block = merge(parts.block_graphdef, parts.block_template,
+                               jax.tree.map(lambda a: a[j], w_K))  # fmt: skip
+                kj = jax.random.fold_in(jax.random.fold_in(key, i), first + j)
+                return block(x_BTD, kj)
+
+            if sched.split and j >= min(sched.split):
+                # A padded slot on a shorter stage: no compute, and a zero weight gradient.
+                x_BTD = lax.cond(j < count, apply, lambda x_BTD: x_BTD, x_BTD)
+            else:
+                x_BTD = apply(x_BTD)
         return x_BTD
 
     structure = []  # the pullback's structure; its leaves are the residuals
@@ -500,10 +594,17 @@ def pipeline_grads(ctx: Context) -> Callable:
         # automatically sharded: XLA's SPMD partitioner aborts the process partitioning it
         # inside one whose fsdp and tensor axes are both automatic.
         x_BTD, embed_vjp = jax.vjp(embed, rest)
-        w_sm = jax.tree.map(lambda a: to_stage_major(a, p, v), blocks)
+        if sched.split:
+            w_sm = jax.tree.map(lambda a: to_uneven_stages(a, sched.split), blocks)
+        else:
+            w_sm = jax.tree.map(lambda a: to_stage_major(a, p, v), blocks)
         loss, g_rest, g_sm, g_BTD = mapped(rest, w_sm, x_BTD, batch["targets"], k_blocks)
         g_rest = jax.tree.map(jnp.add, g_rest, embed_vjp(g_BTD.astype(x_BTD.dtype))[0])
-        grads = _put(g_rest, parts.path, jax.tree.map(to_layer_major, g_sm))
+        if sched.split:
+            g_blocks = jax.tree.map(lambda a: from_uneven_stages(a, sched.split), g_sm)
+        else:
+            g_blocks = jax.tree.map(to_layer_major, g_sm)
+        grads = _put(g_rest, parts.path, g_blocks)
         return loss, {}, grads
 
     return grads_fn
@@ -637,23 +738,27 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
     f = _flops(cfg, parts)
     table = stage_table(cfg, program, f)
     flops = [r["train_flops"] for r in table]
+    counts = ",".join(str(len(r["layers"])) for r in table)
+    per_tick = f"up to {sched.group_size(n)}" if sched.split else n // (p * sched.repeats)
     out = [
         "",
         f"## pipeline: {sched.kind}, p={p} stages, m={m} microbatches, v={sched.repeats} "
         f"repeats; shard_map manual over {', '.join(MANUAL)}",
         "",
-        f"tick count {sched.ticks} ({n // (p * sched.repeats)} layer(s) per stage per tick); "
+        f"tick count {sched.ticks} ({per_tick} layer(s) per stage per tick); "
         f"predicted bubble {sched.bubble:.1%} (GPipe (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}); "
         f"buffers of {sched.table.slots} microbatch(es) per layer group",
+        f"layers per stage {counts} "
+        + ("(pipeline.stage_layers)" if sched.split else "(even; set pipeline.stage_layers)"),
         "block -> stage: " + ", ".join(f"{i}->{sched.stage_of(i, n)}" for i in range(n)),
         "embedding: on stage 0; head and loss: on the last stage (every stage holds both)",
         "",
-        "| stage | blocks | parameter bytes | per device | training FLOPs/step |",
-        "|---|---|---:|---:|---:|",
+        "| stage | layers | blocks | parameter bytes | per device | training FLOPs/step |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for r in table:
         out.append(
-            f"| {r['stage']} | {r['layers']} | {r['param_bytes']:,} | "
+            f"| {r['stage']} | {len(r['layers'])} | {r['layers']} | {r['param_bytes']:,} | "
             f"{r['param_bytes_per_device']:,} | {r['train_flops']:.3g} |"
         )
     out.append(
@@ -665,8 +770,8 @@ def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None)
             for s, k in enumerate(split)]  # fmt: skip
     out.append(
         f"split by cost (layers per stage, embedding and head counted): "
-        f"{','.join(map(str, split))}, max/mean FLOPs {max(cost) / (sum(cost) / p):.3f}; "
-        f"jaxpar splits the layers evenly"
+        f"{','.join(map(str, split))}, max/mean FLOPs {max(cost) / (sum(cost) / p):.3f} "
+        f"(--set pipeline.stage_layers={','.join(map(str, split))})"
     )
     if colls is not None:
         perms = [c for c in colls if c.kind == "collective-permute"]

@@ -40,7 +40,8 @@ REFERENCES = "JAXPAR_PIPELINE_REFERENCES"
 CHILDREN = pytest.mark.xdist_group("parallel/test_pipeline.py:children")
 
 
-def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, **train) -> TrainConfig:
+def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, split="", **train
+         ) -> TrainConfig:  # fmt: skip
     from jaxpar.train.recipes import gpt_tiny
 
     cfg = gpt_tiny()
@@ -52,7 +53,7 @@ def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, **train) -
         # A fixed decay horizon: runs of different lengths share one learning-rate schedule.
         optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=100),
         train=dataclasses.replace(cfg.train, steps=steps, eval_every=0, **train),
-        pipeline=PipelineConfig(schedule, m, v),
+        pipeline=PipelineConfig(schedule, m, v, split),
     )
 
 
@@ -88,13 +89,14 @@ def reference(jp):
     return get
 
 
-def check_parity(jp, reference, layout, schedule, m, v, layers) -> Result:
-    """Assert loss and gradient parity with one device, and the tick count read from the HLO."""
-    cfg = tiny(layers, schedule, m, v)
+def check_parity(jp, reference, layout, schedule, m, v, layers, split="") -> Result:
+    """Assert loss and gradient parity with one device, and the tick count read from the HLO
+    (`split`: pipeline.stage_layers)."""
+    cfg = tiny(layers, schedule, m, v, split=split)
     ref, got = reference(layers), train(jp, cfg, layout)
     loss_err = jp.max_rel(got.losses[0], ref.losses[0])
     grad_err = jp.max_abs_tree(got.grads, ref.grads)
-    print(f"{layout} {schedule} m={m} v={v}: loss rel {loss_err:.1e}, grad abs {grad_err:.1e}")
+    print(f"{layout} {schedule} m={m} v={v} {split}: loss {loss_err:.1e}, grad {grad_err:.1e}")
     assert loss_err < LOSS_RTOL, (got.losses, ref.losses)
     assert grad_err < GRAD_ATOL
     assert jp.max_rel(got.losses, ref.losses) < LOSSES_RTOL, (got.losses, ref.losses)

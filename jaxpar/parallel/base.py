@@ -11,6 +11,7 @@ builds the Program around it. What a strategy provides:
     gradients(params, batch, key, extra) -> (loss, aux, grads, extra)
     step(state, batch, key) -> (state, metrics)   default: gradients + optimizer update
     sync_step / sync_every   an optional state -> state program run every `sync_every` steps
+    param_rules(...)         (a classmethod) the parameter rules, when its layout needs its own
 
 `extra` holds the state entries the strategy updates besides params and opt: its own
 (`extra_keys`) and the model's non-parameter state (`model_state`, jaxpar/engine/model.py) when the
@@ -98,6 +99,14 @@ class Strategy:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+
+    @classmethod
+    def param_rules(cls, cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State,
+                    rules: Rules) -> Rules:  # fmt: skip
+        """The parameter rules this strategy trains under (before shardings are built): the
+        layout's own, unless its layout of the parameters needs another (the pipeline's uneven
+        stages)."""
+        return rules
 
     @property
     def state_keys(self) -> tuple[str, ...]:

@@ -52,6 +52,18 @@ checkpoint moves between schedules and stage counts. GPipe/1F1B/ZB's stage s hol
 [s·L/p, (s+1)·L/p), which is exactly its shard, so nothing moves. With v > 1 stage s needs groups
 s, s+p, ...: the step reorders the block weights to stage-major [p, v, k, ...] on entry and the
 gradients back on exit (XLA moves the block bytes over `pipeline` twice a step).
+
+Uneven stages (`pipeline.stage_layers=3,3,2,2`; gpipe, 1f1b and zero_bubble): stage s holds its
+contiguous count of layers, padded to k = the largest count ([p, 1, k, ...], built on entry by
+a gather, the padded slots repeating the stage's last layer). A padded slot is a `lax.cond` on the
+stage's count: it costs no compute and its weight gradient is zero; the gradients go back to
+layer-major by a gather that drops those slots, and layer keys use the real layer index. Where
+`pipeline` divides L the `layers` rule still shards [L, ...] into L/p rows per stage; XLA
+all-gathers the blocks over `pipeline` on entry (a transient copy of all L layers per device) and
+all-reduces their gradients over `pipeline`, once per step each. Where it does not, no rule
+shards the layers over `pipeline`: every stage keeps all L layers' parameters and optimizer state
+(p times the even split's block memory, the optimizer update repeated on every stage) and slices
+its own locally; the block gradients are all-reduced over `pipeline` once per step.
 """
 
 from __future__ import annotations
@@ -182,26 +194,18 @@ def make_schedule(cfg: PipelineConfig, stages: int, num_layers: int) -> Schedule
     return Schedule(kind, stages, m, v)
 
 
-def param_rules(cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State,
-                rules: Rules) -> Rules:  # fmt: skip
-    """The parameter rules for the pipeline's stage split (called before shardings are built).
+def stage_rules(cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State, rules: Rules
+                ) -> Rules:  # fmt: skip
+    """The parameter rules for the pipeline's stage split (before shardings are built).
 
     With pipeline.stage_layers set, the split is checked against the mesh and the model first
     (one-line errors). A layer count the stages do not divide cannot be sharded over `pipeline`:
     the layers dimension then stays whole on every stage (no rule maps it to `pipeline`), and
     each stage slices its own layers locally inside the step."""
     split = stage_split(cfg.pipeline)
-    p = mesh.shape[AXIS]
     if not split:
         return rules
-    if p == 1:
-        if len(split) != 1:
-            raise ValueError(
-                f"pipeline.stage_layers={cfg.pipeline.stage_layers} names {len(split)} stages "
-                f"but the mesh has pipeline=1: use a mesh with pipeline={len(split)} or drop "
-                f"pipeline.stage_layers"
-            )
-        return rules
+    p = mesh.shape[AXIS]
     n = model_parts(graphdef, template).num_layers
     make_schedule(cfg.pipeline, p, n)
     if n % p == 0:
@@ -532,6 +536,11 @@ class Pipeline(Strategy):
                 "TrainConfig.loss needs a mesh with pipeline=1"
             )
         self._grads = pipeline_grads(ctx)
+
+    @classmethod
+    def param_rules(cls, cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State,
+                    rules: Rules) -> Rules:  # fmt: skip
+        return stage_rules(cfg, mesh, graphdef, template, rules)
 
     def gradients(self, params, batch, key, extra):
         loss, aux, grads = self._grads(params, batch, key)

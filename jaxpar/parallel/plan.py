@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jaxpar.config import TrainConfig
+from jaxpar.config import TrainConfig, stage_split
 from jaxpar.engine.mesh import DATA
 from jaxpar.parallel.base import Strategy
 from jaxpar.parallel.compressed import COMPRESS, Compressed
@@ -49,6 +49,13 @@ def choose(cfg: TrainConfig, mesh: Mesh) -> type[Strategy]:
     comm, compress = cfg.comm, cfg.comm.compress
     if compress not in COMPRESS:
         raise ValueError(f"comm.compress={compress!r}: use one of {COMPRESS}")
+    split = stage_split(cfg.pipeline)
+    if mesh.shape["pipeline"] == 1 and len(split) > 1:
+        raise ValueError(
+            f"pipeline.stage_layers={','.join(map(str, split))} names {len(split)} stages but "
+            f"the mesh has pipeline=1: use a mesh with pipeline={len(split)} or drop "
+            f"pipeline.stage_layers"
+        )
     if comm.diloco_inner_steps > 0:
         if mesh.shape[DATA] < 2:
             raise ValueError(

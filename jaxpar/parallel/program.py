@@ -39,7 +39,7 @@ from jaxpar.engine.rules import (
     named_sharding,
     validate_rules,
 )
-from jaxpar.parallel import pipeline, plan
+from jaxpar.parallel import plan
 from jaxpar.parallel.base import Context
 
 BATCH_LOGICAL = {
@@ -182,8 +182,7 @@ def build_program(
     param_rules, act_rules = with_recipe_rules(cfg, param_rules, act_rules)
     mdef = model_lib.abstract(cfg.model, seed)
     template = mdef.params
-    # Uneven pipeline stages over a layer count `pipeline` does not divide: layers unsharded.
-    param_rules = pipeline.param_rules(cfg, mesh, mdef.graphdef, template, param_rules)
+    param_rules = strategy_cls.param_rules(cfg, mesh, mdef.graphdef, template, param_rules)
     experts.check_mesh(template, mesh.shape)
     prec = policy(cfg.precision)
     tx, schedule = optimizer(cfg)

@@ -4,6 +4,8 @@
     python -m train --recipe gpt_tiny --mesh dp2_pp4 --set pipeline.schedule=1f1b
     python -m train --recipe gpt_tiny --mesh dp4_pp2 --set pipeline.schedule=interleaved_1f1b \\
         --set pipeline.repeats=2
+    python -m train --recipe gpt_tiny --mesh dp2_pp4 --set pipeline.stage_layers=2,1,1,2 \\
+        --set model.n_layers=6                       (uneven stages: gpipe, 1f1b, zero_bubble)
     jaxpar inspect --recipe gpt_tiny --mesh dp2_pp4     (stages, bytes, FLOPs, ticks, bubble)
 
 What a model provides (`PipelineModel`): `model.pipeline_parts()` returns `(embed, blocks, head)`:
@@ -134,12 +136,9 @@ class Schedule:
             return max(self.split)
         return num_layers // (self.stages * self.repeats)
 
-    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
-        return self.split or (num_layers // self.stages,) * self.stages
-
     def starts(self) -> tuple[int, ...]:
         """Uneven stages: the index of each stage's first layer."""
-        return tuple(int(x) for x in np.cumsum((0, *self.split[:-1])))
+        return first_layers(self.split)
 
     def stage_of(self, layer: int, num_layers: int) -> int:
         """The stage holding `layer`: groups of k layers are dealt round the stages."""
@@ -291,10 +290,15 @@ def to_layer_major(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(p * v * k, *a.shape[3:])
 
 
+def first_layers(split: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of each stage's first layer, for `split` layers per stage."""
+    return tuple(int(x) for x in np.cumsum((0, *split[:-1])))
+
+
 def split_index(split: tuple[int, ...]) -> np.ndarray:
     """Uneven stages: [p, k] layer indices of each stage's padded slice (k = max(split)); a
     padded slot repeats the stage's last layer (its values are never used)."""
-    k, starts = max(split), np.cumsum((0, *split[:-1]))
+    k, starts = max(split), first_layers(split)
     return np.array([[a + min(j, n - 1) for j in range(k)]
                      for a, n in zip(starts, split, strict=True)])  # fmt: skip
 

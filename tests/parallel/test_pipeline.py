@@ -260,7 +260,7 @@ def _share(reference, layers, tmp_path, monkeypatch) -> None:
 
 def _in_child(request, layout) -> bool:
     """True in a subprocess running this test (XLA CPU may abort a process for some layouts)."""
-    return helpers.in_child(request, CHILD, layout)
+    return helpers.in_child(request, CHILD, layout, keep=(REFERENCES,))
 
 
 @pytest.mark.slow
@@ -268,10 +268,11 @@ def _in_child(request, layout) -> bool:
 @pytest.mark.parametrize(
     "layout, schedule, m, v",
     [
-        # One combination per schedule (gpipe on data x fsdp x tensor x pipeline: the 16-device
-        # test below; every schedule on pipeline=2 and 4 alone: test_bounded_memory_schedules_*).
-        ("dp2_pp4", "gpipe", 8, 1),
-        ("dp2_tp2_pp2", "circular", 4, 2),
+        # The bounded-memory schedules, each with another axis (gpipe on data x fsdp x tensor x
+        # pipeline: the 16-device test below; circular with data: the checkpoint test across
+        # pipelined and unpipelined layouts; every schedule on pipeline=2 and 4 alone:
+        # test_bounded_memory_schedules_*). One engine runs every table: a layout crossed with
+        # one schedule is crossed with the loop every schedule runs in.
         ("dp2_pp4", "zero_bubble", 8, 1),
         ("dp2_tp2_pp2", "interleaved_1f1b", 2, 2),
         ("fsdp2_tp2_pp2", "1f1b", 4, 1),
@@ -357,9 +358,8 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
-    """Save under gpipe on 2 stages, resume under 1f1b, then zero_bubble on 4 stages: each
-    resumed step's loss is the uninterrupted 1f1b run's within 1e-6; resuming 1f1b under 1f1b
-    is bitwise."""
+    """One chain of resumes against an uninterrupted gpipe run: gpipe resumed under gpipe is
+    bitwise; then under 1f1b, then zero_bubble on 4 stages, each resumed step's loss within 1e-6."""
     from jaxpar.worker.training import run
 
     def go(layout, schedule, steps, run_dir):
@@ -368,16 +368,12 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
         run(cfg, jp.preset(layout), str(run_dir), progress=False)
         return _losses(run_dir)
 
-    ref = go("dp4_pp2", "1f1b", 4, tmp_path / "ref")  # uninterrupted
-    shared = tmp_path / "shared"
-    go("dp4_pp2", "gpipe", 2, shared)
-    go("dp4_pp2", "1f1b", 3, shared)  # restores step 2
-    got = go("dp2_pp4", "zero_bubble", 4, shared)  # restores step 3, on 4 stages
-    assert [s for s, *_ in _restores(shared)] == [2, 3]
-    for step in (3, 4):
+    ref = go("dp4_pp2", "gpipe", 5, tmp_path / "ref")  # uninterrupted
+    chain = tmp_path / "chain"
+    go("dp4_pp2", "gpipe", 2, chain)
+    assert go("dp4_pp2", "gpipe", 3, chain)[3] == ref[3]  # restores step 2: the same schedule
+    go("dp4_pp2", "1f1b", 4, chain)  # restores step 3
+    got = go("dp2_pp4", "zero_bubble", 5, chain)  # restores step 4, on 4 stages
+    assert [s for s, *_ in _restores(chain)] == [2, 3, 4]
+    for step in (4, 5):
         assert abs(got[step] - ref[step]) <= 1e-6 * abs(ref[step]), (step, got, ref)
-    # The same schedule: a resumed run's losses are bitwise the uninterrupted run's.
-    again = tmp_path / "again"
-    go("dp4_pp2", "1f1b", 3, again)
-    whole = go("dp4_pp2", "1f1b", 4, again)
-    assert whole[4] == ref[4]

@@ -54,6 +54,10 @@ def test_worker_killed_restores_from_local_tier(reference, tmp_path):
     (restore,) = run.events("restore")
     assert restore["tier"] == "local" and restore["step"] in (5, 6), restore
     assert restore["incarnation"] == 1
+    # the restarted group came up from the spares, its programs loaded from the compile cache
+    restarted = [e for e in run.events() if e.get("incarnation", 0) > 0]
+    assert [e.get("warm") for e in restarted if e["event"] == "start"] == [True], restarted
+    assert sum(e.get("hits", 0) for e in restarted if e["event"] == "compiled") >= 2, restarted
     assert_exact(run.run_dir, reference)
 
 

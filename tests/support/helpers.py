@@ -145,14 +145,17 @@ def plain_nodeid(item) -> str:
     return item.nodeid[: -len(suffix)] if suffix and item.nodeid.endswith(suffix) else item.nodeid
 
 
-def _child_env(env_name: str) -> dict[str, str]:
-    """START_ENV, not an xdist worker's (the child is a session of its own), marked `env_name`."""
+def _child_env(env_name: str, keep: tuple[str, ...]) -> dict[str, str]:
+    """START_ENV, not an xdist worker's (the child is a session of its own), marked `env_name`,
+    with the variables named in `keep` as the test has set them (and the session's persistent
+    compilation cache: what other tests compiled loads from there)."""
     env = {k: v for k, v in START_ENV.items() if not k.startswith("PYTEST_")}
+    env.update({k: os.environ[k] for k in (CACHE_ENV, *keep) if k in os.environ})
     env[env_name] = "1"
     return env
 
 
-def in_child(request, env_name: str, what: str) -> bool:
+def in_child(request, env_name: str, what: str, keep: tuple[str, ...] = ()) -> bool:
     """True when running in the fresh pytest subprocess that runs this one test (marked by the
     environment variable `env_name`); otherwise run that subprocess, assert it passed, and
     return False. For tests that need a process of their own: an XLA abort must not take the
@@ -163,7 +166,7 @@ def in_child(request, env_name: str, what: str) -> bool:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-n", "0", "-p", "no:cacheprovider",
          plain_nodeid(request.node)],
-        cwd=str(request.config.rootpath), env=_child_env(env_name),
+        cwd=str(request.config.rootpath), env=_child_env(env_name, keep),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, (

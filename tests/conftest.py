@@ -215,3 +215,30 @@ def small_fs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+CPU_LOG_ENV = "JAXPAR_TEST_CPU_LOG"  # a file: one JSON line per test with the CPU seconds it used
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With JAXPAR_TEST_CPU_LOG set, append each test's CPU seconds (this process's and those of
+    the subprocesses it waited for) to that file: where the suite's time goes, load apart."""
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + kids.ru_utime + kids.ru_stime
+
+    start, wall = cpu(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(cpu() - start, 2),
+           "wall_s": round(time.monotonic() - wall, 2)}  # fmt: skip
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

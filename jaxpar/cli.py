@@ -215,6 +215,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str | None) -> tuple[str, ...]:
+    """A comma-separated option's names ("a, b" -> ("a", "b")); None or empty: ()."""
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar.worker import bootstrap
 
@@ -224,10 +229,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxpar.rundir.ownership import check_path
 
     check_path(args.out, option="--out")  # before a bench runs for minutes
-    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else ()
+    paths = _csv(args.paths)
     if args.paths is not None and args.suite != "recovery":
         raise ValueError("--paths applies to `jaxpar bench recovery` only; drop it")
-    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out, paths=paths)
+    schedules = _csv(args.schedules)
+    if args.schedules is not None and args.suite != "pipeline":
+        raise ValueError("--schedules applies to `jaxpar bench pipeline` only; drop it")
+    if schedules:
+        from jaxpar.bench.pipeline import selected
+
+        selected(schedules)  # an unknown name: one line before anything runs
+    b = Bench.create(args.recipe, args.overrides, args.quick, out_dir=args.out, paths=paths,
+                     schedules=schedules)  # fmt: skip
     cfg = validate(b.cfg)
     run_suite(args.suite, dataclasses.replace(b, cfg=cfg, layout=lambda t: _layout(t, cfg.mesh)))
     return 0
@@ -652,6 +665,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ben.add_argument("--paths", default=None, metavar="P,P",
                      help="recovery only: the restart paths measured, comma-separated, of cold, "
                      "persistent, local, standby, standby-hang (default: all)")  # fmt: skip
+    ben.add_argument("--schedules", default=None, metavar="S,S",
+                     help="pipeline only: the schedules measured, comma-separated, of gpipe, "
+                     "circular, 1f1b, interleaved_1f1b, zero_bubble (default: all)")  # fmt: skip
     ben.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value (repeatable)")  # fmt: skip
     ben.set_defaults(func=cmd_bench)

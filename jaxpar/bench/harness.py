@@ -39,6 +39,7 @@ class Bench:
     recipe: str = DEFAULT_RECIPE  # as given with --recipe (suites that start `python -m train`)
     overrides: tuple[str, ...] = ()  # as given with --set
     paths: tuple[str, ...] = ()  # `bench recovery --paths`: the restart paths measured (all)
+    schedules: tuple[str, ...] = ()  # `bench pipeline --schedules`: the schedules measured (all)
     layout: Callable[[str], Preset] | None = field(default=None, repr=False)
 
     @classmethod
@@ -92,6 +93,7 @@ class Bench:
             argv += ["--recipe", self.recipe] if self.recipe != DEFAULT_RECIPE else []
             argv += ["--quick"] if self.quick else []
             argv += ["--paths", ",".join(self.paths)] if self.paths else []
+            argv += ["--schedules", ",".join(self.schedules)] if self.schedules else []
             argv += [a for o in self.overrides for a in ("--set", o)]
             argv += ["--out", self.out_dir]
         return shlex.join(["jaxpar", *argv])

@@ -159,6 +159,16 @@ def analyse(rows: list[dict]) -> list[dict]:
     return fits
 
 
+def selected(names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """The (schedule, v) pairs `--schedules` names (all when empty); ValueError names the fix."""
+    known = [s for s, _ in SCHEDULES]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown schedule(s) {', '.join(unknown)} for --schedules; use some of "
+                         f"{', '.join(known)}")  # fmt: skip
+    return tuple((s, v) for s, v in SCHEDULES if not names or s in names)
+
+
 def run(b: Bench) -> dict:
     """Measure every (p, m, schedule) in one run; write pipeline.json, pipeline.png; print a table."""
     base = b.cfg
@@ -169,7 +179,7 @@ def run(b: Bench) -> dict:
     layers = QUICK_LAYERS if b.quick else LAYERS
     rows = []
     for p in stages:
-        for schedule, v in SCHEDULES:
+        for schedule, v in selected(b.schedules):
             ms = [m for m in micro if _takes(schedule, p, m)]
             if len(ms) < 2:
                 continue
@@ -210,7 +220,8 @@ def _stages_text(st: dict) -> str:
         f"\nper stage, forward + backward of one microbatch (p={st['p']}; {part}):\n"
         f"  even split {st['even_split']}: {ms(st['even_stage_s'])} ms\n"
         f"  recommended split {st['recommended_split']}: {ms(st['recommended_stage_s'])} ms "
-        f"(the embedding on stage 0 and the head on the last counted)"
+        f"(the embedding on stage 0 and the head on the last counted)\n"
+        f"  to run it: --set pipeline.stage_layers={','.join(map(str, st['recommended_split']))}"
     )
 
 

@@ -68,12 +68,14 @@ def test_bench_meshes_quick(tmp_path):
 @pytest.mark.slow
 def test_bench_pipeline_quick(tmp_path):
     # narrower layers (--quick sets 4 of them): the schedules and the fit are the point here
-    r = bench("pipeline", str(tmp_path), "--set", "model.d_model=64", "--set", "model.d_mlp=128")
+    # three schedules: one of each kind of table (one group, v groups, split backward); every
+    # schedule's table and step are the pipeline tests'
+    schedules = ("gpipe", "interleaved_1f1b", "zero_bubble")
+    r = bench("pipeline", str(tmp_path), "--schedules", ",".join(schedules),
+              "--set", "model.d_model=64", "--set", "model.d_mlp=128")  # fmt: skip
     rows = r["rows"]
     assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
-        (2, m, s)
-        for m in (2, 4, 6)
-        for s in ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+        (2, m, s) for m in (2, 4, 6) for s in schedules
     }
     for row in rows:
         assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
@@ -87,5 +89,8 @@ def test_bench_pipeline_quick(tmp_path):
     st = r["stage_times"]  # per-stage time and the split recommended from it
     assert sum(st["recommended_split"]) == st["layers"] == 4 and len(st["even_stage_s"]) == 2
     assert max(st["recommended_stage_s"]) <= max(st["even_stage_s"])
+    (record,) = tmp_path.glob("*-pipeline.md")  # the split as the flag that runs it
+    split = ",".join(map(str, st["recommended_split"]))
+    assert f"--set pipeline.stage_layers={split}" in record.read_text()
     blob = (tmp_path / "pipeline.png").read_bytes()  # measured vs predicted bubble, per p
     assert blob[:8] == PNG and len(blob) > 10_000

@@ -103,3 +103,21 @@ def test_recovery_paths_are_checked_before_anything_runs(tmp_path, capsys):
     assert cli.main(["bench", "meshes", "--paths", "standby", "--out", str(tmp_path / "o")]) == 2
     assert "--paths applies to `jaxpar bench recovery` only" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_pipeline_schedules_are_checked_before_anything_runs(tmp_path, capsys):
+    from jaxpar.bench import pipeline
+
+    assert [s for s, _ in pipeline.selected(())] == [s for s, _ in pipeline.SCHEDULES]
+    assert pipeline.selected(("zero_bubble", "gpipe")) == (("gpipe", 1), ("zero_bubble", 1))
+    out = tmp_path / "o"
+    assert cli.main(["bench", "pipeline", "--schedules", "1f1b,pipedream", "--out", str(out)]) == 2
+    assert (
+        "unknown schedule(s) pipedream for --schedules; use some of gpipe"
+        in capsys.readouterr().err
+    )
+    assert cli.main(["bench", "meshes", "--schedules", "1f1b", "--out", str(out)]) == 2
+    assert "--schedules applies to `jaxpar bench pipeline` only" in capsys.readouterr().err
+    assert not out.exists()
+    b = harness.Bench.create(quick=True, schedules=("1f1b",))
+    assert "--schedules 1f1b" in b.command("pipeline")

@@ -112,20 +112,6 @@ def test_remat_same_losses_and_gradients_less_memory(jp):
     assert temp[1] <= temp[0]
 
 
-@pytest.mark.slow
-def test_pipeline_remat_same_losses(jp):
-    cfg = _deep(jp, "none", 4)  # 2 blocks per stage
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch=16))
-    plain = jp.train(jp.compile_layout(cfg, "pp2"))
-    remat = jp.train(
-        jp.compile_layout(
-            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="block")), "pp2"
-        )
-    )
-    assert np.max(np.abs(plain.losses - remat.losses)) <= REMAT_TOL
-    assert jp.max_abs_tree(plain.grads, remat.grads) <= REMAT_TOL
-
-
 # ---- layouts whose bf16 collectives XLA CPU must compile: one subprocess each ----------------------
 
 CHILD = """

@@ -203,7 +203,8 @@ class LocalGroup:
         for local_rank, pid in enumerate(self.spec["process_ids"]):
             env = self._env(self.spec, pid, local_rank)
             env[spare_lib.ENV_TARGET] = target
-            path = os.path.join(self.log_dir, f"spare{local_rank}.log")
+            # named by the global process id: unique across replica groups and hosts
+            path = os.path.join(self.log_dir, f"spare-proc{pid}.log")
             with self._log(path) as log:
                 self.spares[local_rank] = subprocess.Popen(
                     [sys.executable, "-m", "jaxpar.worker.spare"], env=env, stdout=log,

@@ -369,6 +369,7 @@ class ReplicaGroup(LocalGroup):
     def __init__(self, opts: Options, waker, group: int, hub: str, key: bytes):
         super().__init__(opts, waker)
         self.group, self.hub, self.key = group, hub, key
+        self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
@@ -459,6 +460,7 @@ class ReplicaSupervisor(JobState):
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
         assert self.hub is not None
         self.hub.running(g)
+        grp.t_spawn = time.time()
         grp.start(spec)
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
@@ -495,6 +497,8 @@ class ReplicaSupervisor(JobState):
                         self.done.add(g)
             for g in self.hub.drop_hung(self.opts.hang_timeout or 60.0):
                 failed.setdefault(g, "hung in a step's average")
+            for g, why in self._hung_in_startup(time.time()):
+                failed.setdefault(g, why)
             for g in self.hub.take_void_transfers():
                 failed.setdefault(g, "the state transfer to it was cut short")
             with self.hub.cv:
@@ -517,6 +521,19 @@ class ReplicaSupervisor(JobState):
                     self.event(GROUP_STOPPED, group=g, why="the other groups finished the run")
                 return "completed", 0
             self.waker.wait(0.25)
+
+    def _hung_in_startup(self, now: float) -> list[tuple[int, str]]:
+        """Running groups not ready (every process's program built, its state read) within the
+        start-up timeout of their start: hung before their first step, where no step's average
+        waits for them yet."""
+        assert self.hub is not None
+        startup = self.timeouts()[1]
+        with self.hub.cv:
+            ready = set(self.hub.joined) | set(self.hub.transfers)
+        return [(g, f"hung: not ready within the start-up timeout {startup:.0f}s")
+                for g, grp in enumerate(self.groups)
+                if g not in self.done and g not in ready and grp.procs and grp.alive()
+                and now - grp.t_spawn > startup]  # fmt: skip
 
     def _preempt(self) -> tuple[str, int]:
         """SIGTERM: the notice goes to every worker; the quorum's lowest group saves at the step

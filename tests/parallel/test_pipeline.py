@@ -38,6 +38,9 @@ CHILD = "JAXPAR_PIPELINE_CHILD"
 REFERENCES = "JAXPAR_PIPELINE_REFERENCES"
 # The tests that run in child processes: their own xdist group (tests/conftest.py)
 CHILDREN = pytest.mark.xdist_group("parallel/test_pipeline.py:children")
+# The tests that compile whole train steps of their own (memory, inspect, checkpoint chains), not
+# the parity cases sharing the module's reference: a group of their own, on another worker
+WHOLE_STEPS = pytest.mark.xdist_group("parallel/test_pipeline.py:whole_steps")
 
 
 def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, split="", **train
@@ -243,6 +246,7 @@ def _temps(jp, schedule: str, m: int) -> int:
 
 
 @pytest.mark.slow
+@WHOLE_STEPS
 def test_1f1b_memory_does_not_grow_with_microbatches(jp):
     """m 4 -> 16: GPipe keeps every microbatch's residuals (temps x >= 2.5), 1F1B at most p."""
     gpipe = _temps(jp, "gpipe", 16) / _temps(jp, "gpipe", 4)
@@ -298,6 +302,7 @@ def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference, tmp_path,
 
 
 @pytest.mark.slow
+@WHOLE_STEPS
 def test_jaxpar_inspect_shows_the_pipeline(jp, tmp_path):
     from jaxpar.tools.inspect import inspect
 
@@ -336,6 +341,7 @@ def _restores(run_dir) -> list[tuple]:
 
 
 @pytest.mark.slow
+@WHOLE_STEPS
 def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
     """Checkpoints hold the layer-major layout: pipelined -> unpipelined -> pipelined resumes."""
     from jaxpar.worker.training import run
@@ -358,6 +364,7 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
 
 
 @pytest.mark.slow
+@WHOLE_STEPS
 def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
     """One chain of resumes against an uninterrupted gpipe run of 6 layers: gpipe resumed under
     gpipe is bitwise; then under 1f1b, then under zero_bubble on 4 uneven stages (2,1,1,2: the

@@ -92,6 +92,9 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     started = run.events("group_started")
     assert [e["group"] for e in started] == [0, 1, 1], started
     assert [e["group"] for e in run.events("group_restart")] == [1]
+    # each group's spare logs to a file of its own (named by the global process id)
+    spares = sorted(p.name for p in (run.run_dir / "logs").glob("spare*.log"))
+    assert spares and set(spares) <= {"spare-proc0.log", "spare-proc1.log"}, spares
     # no step rewound: one metrics line per step, in order, each naming its quorum
     assert [m["step"] for m in lines] == list(range(1, len(lines) + 1))
     quorum = {m["step"]: m["quorum"] for m in lines}
@@ -111,3 +114,28 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     assert final["step"] == STEPS and final["quorum"] == [0, 1]
     summary = again.summary()["groups"]
     assert summary["group_steps_lost"] == 0 and summary["group_restarts"] == 0
+
+
+def test_a_group_hung_before_its_first_step_is_restarted_after_the_startup_timeout(tmp_path):
+    """Group 1's process stopped (SIGSTOP) while it starts: no step's average waits for it yet,
+    so only the start-up timeout finds it; group 1 is restarted and the job finishes."""
+    nproc = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1",
+             "--no-spares", "--startup-timeout", "20"]  # fmt: skip
+    run = Launch(tmp_path / "run", nproc, train_cmd(8, 4))
+    try:
+        deadline, pid = time.time() + WAIT, None
+        while pid is None and time.time() < deadline:
+            for e in run.events("group_started"):
+                if e["group"] == 1:
+                    pid = e["pids"][0]
+            assert run.proc.poll() is None, run.output()
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)  # still importing jax: never ready
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    (failure,) = [e for e in run.events("group_failure")
+                  if e["group"] == 1 and e["source"] == "supervisor"]  # fmt: skip
+    assert "not ready within the start-up timeout 20s" in failure["why"], failure
+    assert [e["group"] for e in run.events("group_started")] == [0, 1, 1]
+    assert sorted(losses(run.run_dir)) == list(range(1, 9))

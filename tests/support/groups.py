@@ -10,12 +10,15 @@ import pytest
 # addresses (never two at once). Every other module is a group of its own (module fixtures built
 # once) or shares one with the modules that build its programs (SHARED), unless a test names its
 # group (`pytest.mark.xdist_group`). The longest groups start first so that no worker is left with
-# a long tail: seconds per group from `pytest --durations=0` on a 2-core machine (4 workers),
-# rounded (a wrong figure only changes the order).
+# a long tail: wall seconds per group from `JAXPAR_TEST_CPU_LOG` of a whole run on a 2-core
+# machine (4 workers), rounded (a wrong figure only changes the order).
 CLUSTER = "cluster"
 # test_pipeline.py's tests that run in child processes form a group of their own (the module's
 # two halves run on two workers).
 PIPELINE_CHILDREN = "parallel/test_pipeline.py:children"
+# ... and those that compile whole train steps of their own (memory, inspect, checkpoint chains)
+PIPELINE_WHOLE_STEPS = "parallel/test_pipeline.py:whole_steps"
+PIPELINE_REST = "parallel/test_pipeline.py"
 # Modules that compile and train the same gpt_tiny layouts through conftest's session fixtures
 # (`compiled`, `runs`: dp8, fsdp8, dp2_tp4 of 5 steps): one group, so that one worker compiles and
 # trains each of them once for all three.
@@ -26,25 +29,29 @@ SHARED = {
     "parallel/test_step_audit.py": GPT_TINY_LAYOUTS,
 }
 LONGEST_FIRST = {
-    "bench/test_bench_recovery.py": 750,
-    GPT_TINY_LAYOUTS: 560,  # test_precision 300 + test_parity 270 + test_step_audit, less shared
-    "recovery/test_checkpoint_faults.py": 550,
-    CLUSTER: 470,
-    "api/test_notebook.py": 300,
-    "supervisor/test_supervisor.py": 270,
-    "recovery/test_resume_2proc.py": 240,
-    "parallel/test_pipeline.py": 240,
-    "data/test_data_e2e.py": 240,
-    PIPELINE_CHILDREN: 230,
-    "bench/test_bench_quick.py": 210,
-    "recovery/test_local_resume_2proc.py": 210,
-    "api/userproj/test_userproj.py": 110,
-    "supervisor/test_standby_teardown.py": 100,
-    "parallel/test_comm.py": 100,
-    "api/test_install.py": 100,
-    "api/test_train_cli.py": 60,
-    "recovery/test_reshard.py": 60,
-    "worker/test_hardening_process.py": 60,
+    GPT_TINY_LAYOUTS: 420,  # test_precision + test_parity + test_step_audit
+    PIPELINE_REST: 330,
+    "recovery/test_checkpoint_faults.py": 300,
+    PIPELINE_WHOLE_STEPS: 290,
+    CLUSTER: 280,
+    "bench/test_bench_recovery.py": 270,
+    "data/test_data_e2e.py": 210,
+    "recovery/test_local_resume_2proc.py": 170,
+    "supervisor/test_supervisor.py": 155,
+    PIPELINE_CHILDREN: 150,
+    "tools/test_doctor.py": 140,
+    "parallel/test_comm.py": 130,
+    "api/test_notebook.py": 125,
+    "bench/test_bench_quick.py": 120,
+    "parallel/test_context.py": 100,
+    "supervisor/test_replicas.py": 90,
+    "recovery/test_resume_2proc.py": 85,
+    "parallel/test_stage_layers.py": 80,
+    "recovery/test_context_reshard.py": 60,
+    "supervisor/test_supervisor_fake.py": 50,
+    "api/test_install.py": 50,
+    "api/test_train_cli.py": 50,
+    "supervisor/test_standby_teardown.py": 50,
 }
 
 

@@ -17,8 +17,6 @@ from jaxpar.config import PipelineConfig, stage_split, validate
 from jaxpar.parallel import pipeline
 from tests.api.test_bad_input_cli import one_line_refusal
 from tests.parallel.test_pipeline import (  # noqa: F401 - reference: a fixture
-    _losses,
-    _restores,
     check_parity,
     reference,
     tiny,

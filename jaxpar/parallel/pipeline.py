@@ -84,7 +84,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.config import PipelineConfig, TrainConfig, stage_split
 from jaxpar.engine.mesh import DATA, batch_parallel_size
-from jaxpar.engine.rules import Rules, _as_tuple, activation_rules
+from jaxpar.engine.rules import Rules, activation_rules
 from jaxpar.parallel import schedules
 from jaxpar.parallel.base import (
     Context,
@@ -209,8 +209,12 @@ def stage_rules(cfg: TrainConfig, mesh: Mesh, graphdef: Any, template: nnx.State
     make_schedule(cfg.pipeline, p, n)
     if n % p == 0:
         return rules
-    return tuple((name, tuple(a for a in _as_tuple(axes) if a != AXIS) or None)
+    return tuple((name, tuple(a for a in _axes(axes) if a != AXIS) or None)
                  for name, axes in rules)  # fmt: skip
+
+
+def _axes(axes: Any) -> tuple:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 # ---- the model's parts ---------------------------------------------------------------------------

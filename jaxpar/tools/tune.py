@@ -36,7 +36,7 @@ import numpy as np
 from jaxpar.config import RANGES, TrainConfig, apply_overrides, validate
 from jaxpar.engine import collectives
 from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, MeshSpec, mesh_text
-from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset, _as_tuple
+from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
 from jaxpar.tools import doctor, hardware
 from jaxpar.worker.training import device_batch, setup
 
@@ -129,6 +129,10 @@ def supported_axes(cfg: TrainConfig, probe, only=None) -> tuple[list[str], dict[
         else:
             pruned[a] = f"axis {a}: no rule places any of {cfg.name}'s arrays on it"
     return ok, pruned
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
 def setting_variants(cfg: TrainConfig, sizes: dict[str, int]) -> tuple[dict, list[dict]]:

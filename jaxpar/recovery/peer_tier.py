@@ -66,6 +66,8 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, source: str):
         self.sock, self.source, self.trusted, self.deadline = sock, source, False, 0.0
+        self.leaving = False  # evicted, or its thread has closed it and is about to end
+        self.thread: threading.Thread | None = None  # the thread that serves it, then closes it
         self._buf = bytearray()
 
     def _io(self, read, *args):
@@ -138,28 +140,45 @@ class Server:
                 sock, addr = self.sock.accept()
             except OSError:
                 return
-            if (conn := self._admit(sock, addr[0])) is None:
+            conn = self._admit(sock, addr[0])
+            self._reap()
+            if conn is None:
                 with contextlib.suppress(OSError):
                     sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            conn.thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            conn.thread.start()
 
     def _admit(self, sock: socket.socket, source: str) -> _Conn | None:
         """A slot for a new connection; None when its address holds too many that have not shown
         the token, or every slot is held by connections that have."""
         with self._conns_lock:
-            strangers = [c for c in self._conns if not c.trusted]
+            live = [c for c in self._conns if not c.leaving]
+            strangers = [c for c in live if not c.trusted]
             if sum(c.source == source for c in strangers) >= self.MAX_PER_SOURCE:
                 return None
-            if len(self._conns) >= self.MAX_CONNECTIONS:
+            if len(live) >= self.MAX_CONNECTIONS:
                 if not strangers:
                     return None
-                self._conns.remove(strangers[0])  # the oldest
+                strangers[0].leaving = True  # the oldest
                 with contextlib.suppress(OSError):
                     strangers[0].sock.shutdown(socket.SHUT_RDWR)
             conn = _Conn(sock, source)
             self._conns.append(conn)
             return conn
+
+    def _reap(self) -> None:
+        """Waits for the threads of the connections that are leaving (evicted, or done) to end:
+        a connection's slot is free only once its socket is closed and its thread gone, so the
+        server never holds more than MAX_CONNECTIONS of either, however late a leaving thread
+        gets to run."""
+        with self._conns_lock:
+            gone = [c for c in self._conns if c.leaving]
+        for c in gone:
+            if c.thread is not None:
+                c.thread.join(self.HEADER_S)
+        with self._conns_lock:
+            self._conns = [c for c in self._conns if c not in gone]
 
     def _serve(self, conn: _Conn) -> None:
         try:
@@ -171,7 +190,6 @@ class Server:
                     wait = IO_TIMEOUT_S + self._payload(msg) / self.MIN_RATE
                     conn.deadline = time.monotonic() + wait
                     reply, payload = self._handle(msg, conn)
-                    conn.trusted = True  # it had the token
                     size = len(payload) if payload is not None else 0
                     conn.sock.settimeout(IO_TIMEOUT_S + size / self.MIN_RATE)  # the whole reply
                     conn.sock.sendall((json.dumps(reply) + "\n").encode())
@@ -180,8 +198,8 @@ class Server:
         except (OSError, ValueError, ConnectionError):
             return
         finally:
-            with self._conns_lock, contextlib.suppress(ValueError):
-                self._conns.remove(conn)
+            with self._conns_lock:
+                conn.leaving = True  # the next connection accepted waits for this thread's end
 
     def _payload(self, msg: dict) -> int:
         """The bytes that follow a request's header (0 if it announces none within bounds)."""
@@ -189,10 +207,15 @@ class Server:
         n = marker.get("nbytes") if isinstance(marker, dict) else None
         return n if type(n) is int and 0 <= n <= self.limit else 0
 
-    def _handle(self, msg: dict, f) -> tuple[dict, bytes | None]:
+    def _handle(self, msg: dict, f: _Conn) -> tuple[dict, bytes | None]:
         src = msg.get("src")
-        if not self._met.wait(IO_TIMEOUT_S) or msg.get("token") != self.token:
+        end = time.monotonic() + IO_TIMEOUT_S
+        while not self._met.wait(0.5):  # an evicted connection stops waiting at once
+            if f.leaving or time.monotonic() > end:
+                raise ValueError("group token not known")
+        if msg.get("token") != self.token:
             raise ValueError("bad token")
+        f.trusted = True  # from here on no stranger can evict it, even mid-payload
         if not isinstance(src, int) or not 0 <= src < self.nproc:
             raise ValueError("bad source process")
         if msg.get("op") == "put":

@@ -14,7 +14,10 @@ rest with the gradients already held: the survivors lose no step. With fewer tha
 groups in the quorum the hub holds the step until enough groups are back (no group trains
 alone). A failed group alone is stopped and restarted; once ready it asks to join, the hub
 asks the quorum's lowest group for its state after the next step and forwards it, shard to
-shard and checksummed, and the group takes part from that step on.
+shard and checksummed, and the group takes part from that step on. A hung group is dropped
+once the others have waited the hang timeout for its shards; a quorum hung as a whole (no
+shards at all) once no step has been released for the hang timeout. With every group lost the
+restarted groups start from the newest checkpoint, as a new job would.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ class Hub:
         self.next_step: int | None = None  # the first step not released yet
         self.void: list[int] = []  # joining groups whose donor was lost: to be restarted
         self.last_quorum: list[int] | None = None
+        # when the job last made progress (a step released, a group admitted at the start) and
+        # the recent times between releases: the clock of the rule for a quorum hung as a whole
+        self.progress_at: float | None = None
+        self.intervals: list[float] = []
+        self.all_lost = False  # every group was lost: the next start resumes from a checkpoint
         self.released = 0
         self.group_steps_lost = 0
         self.finished: set[int] = set()
@@ -189,14 +197,22 @@ class Hub:
             self._drop(g, f"the processes of group {g} are at different steps {sorted(steps)}")
             return
         (step,) = steps
-        if not any(g2 in self.alive for g2 in self.joined):  # every group was lost: start
-            self.started, self.next_step = False, None  # again from the checkpoint they read
+        if not any(g2 in self.alive for g2 in self.joined):
+            # every group was lost: start again from the checkpoint they read; what the lost
+            # groups left of their steps (their times above all) must not count against these
+            self.all_lost = self.started or self.next_step is not None
+            self.started, self.next_step = False, None
+            self.pending.clear()
+            self.first_seen.clear()
+            self.listeners.clear()
         if not self.started and self.next_step in (None, step):
             self.next_step = step
             self.joined[g] = step
+            self.progress_at = time.time()
             for k in range(self.per_group):  # the job's start: every group that runs takes part
                 self._send((g, k), {"kind": "start", "step": step, "quorum": sorted(self.alive)})
-            self.event(GROUP_JOINED, group=g, step=step, transfer=False)
+            extra = {"all_lost": True} if self.all_lost else {}  # its own restore, no peer's
+            self.event(GROUP_JOINED, group=g, step=step, transfer=False, **extra)
             for s in sorted(self.pending):
                 self._release(s)
             return
@@ -264,6 +280,11 @@ class Hub:
         del self.pending[step]
         self.listeners.pop(step, None)
         self.first_seen.pop(step, None)
+        now = time.time()
+        if self.progress_at is not None:
+            self.intervals = [*self.intervals[-19:], now - self.progress_at]
+        self.progress_at = now
+        self.all_lost = False
         self.next_step = step + 1
         self.started = True
         self.released += 1
@@ -315,12 +336,19 @@ class Hub:
 
     # -- the supervisor's side ------------------------------------------------------------------
 
-    def drop_hung(self, timeout_s: float, now: float | None = None) -> list[int]:
-        """Groups of a pending step's quorum that have not sent their shards `timeout_s` after
-        the step's first ones arrived (a hung or stopped process): dropped, so the others go
-        on. Returns them."""
+    def drop_hung(self, timeout_s: float, now: float | None = None) -> dict[int, str]:
+        """Hung groups, dropped so the others go on (returned: group -> why):
+
+        - a group of a pending step's quorum that has not sent its shards `timeout_s` after the
+          step's first ones arrived (a hung or stopped process);
+        - every group of the quorum when none of them has sent all its shards and no step has
+          been released for `timeout_s` (at least 10 of the recent times between releases:
+          DiLoCo's outer steps are H steps apart) — all of them stopped or stuck inside their
+          own group. Only once the job's first step was released (not in the start-up), and not
+          once a group has finished.
+        """
         now = time.time() if now is None else now
-        hung: list[int] = []
+        hung: dict[int, str] = {}
         with self.cv:
             for step in sorted(self.pending) if self.started else []:  # not in the start-up
                 if now - self.first_seen.get(step, now) < timeout_s:
@@ -331,10 +359,30 @@ class Hub:
                 if len(late) == len(self._quorum(step)):
                     continue  # nobody is waiting
                 for g in late:
-                    hung.append(g)
-                    self._drop(g, f"hung: no gradients for step {step} {timeout_s:.0f}s after "
-                                  f"the other groups'")  # fmt: skip
-        return hung
+                    hung[g] = (f"hung: no gradients for step {step} {timeout_s:.0f}s after the "
+                               f"other groups'")  # fmt: skip
+                    self._drop(g, hung[g])
+            return hung or self._quorum_hung(timeout_s, now)  # after a drop, a step went on
+
+    def _quorum_hung(self, timeout_s: float, now: float) -> dict[int, str]:
+        """Every live group of the quorum, when none of them has made progress (see drop_hung)."""
+        if not self.started or self.stopping or self.finished or self.progress_at is None:
+            return {}
+        q = sorted(g for g in self.joined if g in self.alive)
+        waiting = any(all((g, k) in got for k in range(self.per_group))
+                      for got in self.pending.values() for g in q)  # fmt: skip
+        if not q or waiting:  # a group waits in an average: for the others, or a quorum
+            return {}
+        median = sorted(self.intervals)[len(self.intervals) // 2] if self.intervals else 0.0
+        limit = max(timeout_s, 10 * median)
+        idle = now - self.progress_at
+        if idle < limit:
+            return {}
+        why = (f"hung: no step released for {idle:.0f}s (hang timeout {limit:.0f}s) with no "
+               f"group of the quorum {q} in a step's average")  # fmt: skip
+        for g in q:
+            self._drop(g, why)
+        return dict.fromkeys(q, why)
 
     def running(self, g: int) -> None:
         with self.cv:
@@ -495,8 +543,8 @@ class ReplicaSupervisor(JobState):
                 if g not in failed and g not in self.done and grp.procs and not grp.alive():
                     if all(p.returncode == 0 for p in grp.procs.values()):
                         self.done.add(g)
-            for g in self.hub.drop_hung(self.opts.hang_timeout or 60.0):
-                failed.setdefault(g, "hung in a step's average")
+            for g, why in self.hub.drop_hung(self.opts.hang_timeout or 60.0).items():
+                failed.setdefault(g, why)
             for g, why in self._hung_in_startup(time.time()):
                 failed.setdefault(g, why)
             for g in self.hub.take_void_transfers():
@@ -506,8 +554,15 @@ class ReplicaSupervisor(JobState):
                         if g not in self.hub.alive and g not in self.done]  # fmt: skip
             for g in lost:
                 failed.setdefault(g, "its connection to the group hub was lost")
+            with self.hub.cv:
+                training = (set(self.hub.joined) & self.hub.alive) - set(failed)
+            if failed and not training:
+                say(
+                    f"no replica group is training ({len(failed)} failed now): they restart from "
+                    f"the newest checkpoint in {self.run_dir}/checkpoints"
+                )
             for g, why in sorted(failed.items()):
-                out = self._fail(g, why)
+                out = self._fail(g, why, others=bool(training))
                 if out is not None:
                     return out
             if len(self.done) == len(self.groups):
@@ -548,13 +603,14 @@ class ReplicaSupervisor(JobState):
             self.waker.wait(self.opts.poll_s)
         return "preempted", bootstrap.EXIT_PREEMPTED
 
-    def _fail(self, g: int, why: str) -> tuple[str, int] | None:
-        """Group `g` failed: out of the quorum at once, its other processes stopped, restarted."""
+    def _fail(self, g: int, why: str, others: bool = True) -> tuple[str, int] | None:
+        """Group `g` failed: out of the quorum at once, its other processes stopped, restarted.
+        `others`: some other group is still training (else every group restarts)."""
         assert self.hub is not None
         self.hub.drop(g, why)
         self.groups[g].stop(0.0)
         self.event(GROUP_FAILURE, group=g, why=why, source="supervisor")
-        say(f"group {g} failed ({why}); the other groups keep training")
+        say(f"group {g} failed ({why})" + ("; the other groups keep training" if others else ""))
         if self.group_restarts >= self.opts.max_restarts:
             reason = f"restart budget spent ({self.group_restarts} of --max-restarts " \
                      f"{self.opts.max_restarts})"  # fmt: skip

@@ -49,6 +49,22 @@ def _average(wire: Wire, step: int, *arrays) -> None:
     wire.send({"kind": "average", "step": step, "counts": [len(arrays)]}, list(arrays))
 
 
+def _start_two(hub: Hub) -> tuple[Wire, Wire]:
+    """Groups 0 and 1 (one process each) ready at step 0 and started."""
+    w0, w1 = _connect(hub, 0), _connect(hub, 1)
+    for w in (w0, w1):
+        w.send({"kind": "ready", "step": 0})
+        assert w.recv()[0]["kind"] == "start"
+    return w0, w1
+
+
+def _step_two(w0: Wire, w1: Wire, step: int) -> None:
+    """Both groups average `step` (1 and 3: the mean is 2)."""
+    _average(w0, step, np.array([1.0], np.float32))
+    _average(w1, step, np.array([3.0], np.float32))
+    assert w0.recv()[1][0].tolist() == [2.0] and w1.recv()[1][0].tolist() == [2.0]
+
+
 def test_wire_round_trip_and_tampering_refused():
     a, b = socket.socketpair()
     left, right = Wire(a, KEY, hub=False), Wire(b, KEY, hub=True)
@@ -167,21 +183,90 @@ def test_hub_drops_a_group_that_hangs_in_a_step():
     waited the hang timeout for it; the step goes on without it. Not during the start-up."""
     hub, events = _hub(2, min_groups=1)
     try:
-        w0, w1 = _connect(hub, 0), _connect(hub, 1)
-        for w in (w0, w1):
-            w.send({"kind": "ready", "step": 0})
-            assert w.recv()[0]["kind"] == "start"
-        _average(w0, 0, np.array([1.0], np.float32))
-        _average(w1, 0, np.array([3.0], np.float32))
-        assert w0.recv()[1][0].tolist() == [2.0] and w1.recv()[1][0].tolist() == [2.0]
+        w0, w1 = _start_two(hub)
+        _step_two(w0, w1, 0)
         _average(w0, 1, np.array([5.0], np.float32))
         _until(lambda: hub.pending)
-        assert hub.drop_hung(60.0) == []  # not yet
-        assert hub.drop_hung(60.0, now=time.time() + 61) == [1]
+        assert hub.drop_hung(60.0) == {}  # not yet
+        assert list(hub.drop_hung(60.0, now=time.time() + 61)) == [1]
         header, (mean,) = w0.recv()
         assert header["quorum"] == [0] and mean.tolist() == [5.0]
         (failure,) = [e for e in events if e["event"] == "group_failure"]
         assert failure["group"] == 1 and failure["why"].startswith("hung")
+    finally:
+        hub.close()
+
+
+def test_hub_drops_every_group_when_the_whole_quorum_hangs_and_restarts_them_from_a_checkpoint():
+    """Every group of the quorum hung (process 1 of each stopped; group 0's process 0 has sent
+    its shards): no group waits for another, yet no step is released. Once the job has waited the
+    hang timeout since the last release, every group is dropped as hung; not before, nor in the
+    first step. Restarted, both resume from their own restore (the newest checkpoint, step 4):
+    neither waits for a peer's state, and what the lost groups left of step 6 does not count."""
+    hub, events = _hub(2, min_groups=1, per_group=2)
+    try:
+        wires = {(g, k): _connect(hub, g, k) for g in range(2) for k in range(2)}
+        for w in wires.values():
+            w.send({"kind": "ready", "step": 4})
+        assert all(w.recv()[0]["kind"] == "start" for w in wires.values())
+        assert hub.drop_hung(60.0, now=time.time() + 1000) == {}  # the first step: start-up
+        for step in (4, 5):
+            before = time.time()
+            for (g, _k), w in wires.items():
+                _average(w, step, np.array([float(g)], np.float32))
+            assert all(w.recv()[1][0].tolist() == [0.5] for w in wires.values())
+        _average(wires[0, 0], 6, np.array([1.0], np.float32))  # the others never send step 6
+        _until(lambda: hub.pending)
+        assert hub.drop_hung(60.0, now=before + 59) == {}  # not before the hang timeout
+        hung = hub.drop_hung(60.0, now=time.time() + 61)
+        assert sorted(hung) == [0, 1] and all(why.startswith("hung") for why in hung.values())
+        assert all(w.recv()[0]["kind"] == "stop" for w in wires.values())
+        failures = [e for e in events if e["event"] == "group_failure"]
+        assert [e["group"] for e in failures] == [0, 1]
+        assert all(e["why"].startswith("hung") and e["source"] == "hub" for e in failures)
+        # both restarted: the first ready is not refused for want of a donor, both start at 4
+        time.sleep(0.3)
+        for g in range(2):
+            hub.running(g)
+        wires = {(g, k): _connect(hub, g, k) for g in range(2) for k in range(2)}
+        for w in wires.values():
+            w.send({"kind": "ready", "step": 4})
+        assert all(w.recv()[0]["kind"] == "start" for w in wires.values())
+        joined = [e for e in events if e["event"] == "group_joined"][2:]
+        assert sorted((e["group"], e["step"], e["transfer"], e.get("all_lost")) for e in joined) == [
+            (0, 4, False, True), (1, 4, False, True),
+        ]  # fmt: skip
+        for step in (4, 5, 6):
+            for (g, _k), w in wires.items():
+                if (step, g) != (6, 1):
+                    _average(w, step, np.array([2.0 * g], np.float32))
+            if step == 6:  # group 0 has sent step 6 only now: group 1 is not late
+                _until(lambda: len(hub.pending.get(6, {})) == 2)
+                assert hub.drop_hung(0.25) == {}
+                for k in range(2):
+                    _average(wires[1, k], 6, np.array([2.0], np.float32))
+            assert all(w.recv()[1][0].tolist() == [1.0] for w in wires.values())
+    finally:
+        hub.close()
+
+
+def test_hub_does_not_take_a_long_step_or_a_held_quorum_for_a_hung_one():
+    """The rule for a quorum hung as a whole waits at least 10 of the recent times between
+    releases (DiLoCo's outer steps are H steps apart), and never fires while a group waits in an
+    average (for a quorum of --min-groups, as here, or for a late group: the other rule's)."""
+    hub, events = _hub(2, min_groups=2)
+    try:
+        w0, w1 = _start_two(hub)
+        for step in range(3):
+            time.sleep(0.5)  # the groups' steps between two releases take 0.5 s
+            _step_two(w0, w1, step)
+        assert hub.drop_hung(1.0, now=time.time() + 3) == {}  # 10 x 0.5 s, not the timeout's 1 s
+        w1.close()  # group 1 dies; group 0 waits in step 3 for a quorum of two
+        _until(lambda: 1 not in hub.alive)
+        _average(w0, 3, np.array([1.0], np.float32))
+        _until(lambda: hub.pending)
+        assert hub.drop_hung(1.0, now=time.time() + 1000) == {}
+        assert not [e for e in events if e["event"] == "group_failure" and "hung" in e["why"]]
     finally:
         hub.close()
 

@@ -47,8 +47,8 @@ class Refused(OSError):
 def check_root(root: str, hint: str) -> None:
     """Create the tier's root (mode 0700) or check an existing one: a folder (not a symlink) of
     this user that group and others cannot write, in a parent others cannot swap it in (not
-    writable by them, or sticky like /dev/shm). Raises UnsafeFolder naming the fix (`hint`: how
-    to choose another folder)."""
+    writable by them, or sticky like /dev/shm); one that passes is made 0700 if it was not.
+    Raises UnsafeFolder naming the fix (`hint`: how to choose another folder)."""
     root = os.path.abspath(root)
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
@@ -62,6 +62,8 @@ def check_root(root: str, hint: str) -> None:
     why = _unsafe(st)
     if why:
         raise UnsafeFolder(f"local snapshot folder {root} {why}; {hint}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        private_dir(root)  # an older jaxpar's root: its run folders' names readable by every user
 
 
 def _unsafe(st: os.stat_result) -> str | None:

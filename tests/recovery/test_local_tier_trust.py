@@ -156,7 +156,7 @@ def test_snapshots_are_private_even_in_folders_an_older_jaxpar_left_open(tmp_pat
     root, run_path = tmp_path / "local", tmp_path / "run"
     node = local_tier.node_dir(str(root), str(run_path))
     os.makedirs(os.path.join(node, "proc0", "slot0"), mode=0o755)
-    for d in (node, os.path.join(node, "proc0"), os.path.join(node, "proc0", "slot0")):
+    for d in (root, node, os.path.join(node, "proc0"), os.path.join(node, "proc0", "slot0")):
         os.chmod(d, 0o755)
     abstract = _abstract(_mesh())
     tier = _tier(RunDir(str(run_path)), abstract, root)
@@ -170,6 +170,7 @@ def test_snapshots_are_private_even_in_folders_an_older_jaxpar_left_open(tmp_pat
         for f in files:
             assert stat.S_IMODE(os.lstat(os.path.join(folder, f)).st_mode) == 0o600, (folder, f)
     assert stat.S_IMODE(os.lstat(node).st_mode) == 0o700
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700  # nor the names of its runs
 
 
 # ---- the snapshots ----------------------------------------------------------------------------

@@ -276,6 +276,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         f"({meta['dtype']}, vocab {meta['vocab_size']}) from {len(meta['sources'])} files, "
         f"{meta['input_bytes'] / 1e6:.1f} MB in {meta['seconds']:.1f}s"
     )
+    if skipped := meta["skipped"]:
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        print(
+            f"jaxpar data prepare: not read: {', '.join(skipped[:3])}{more} (symlinks inside "
+            f"folders are not followed; not regular files or not UTF-8; listed in meta.json)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -329,7 +336,9 @@ def _add_data_parser(sub) -> None:
     pre = dsub.add_parser(
         "prepare", help="train a byte-level BPE tokenizer and write token shards + meta.json"
     )
-    pre.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or folders")
+    pre.add_argument("inputs", nargs="+", metavar="INPUT",
+                     help="text files or folders (an INPUT that is a symlink is followed, a "
+                          "symlink inside a folder is not; each file is read once)")  # fmt: skip
     pre.add_argument("--out", required=True, metavar="DIR", help="output folder (new)")
     pre.add_argument("--vocab-size", type=int, default=None,
                      help="BPE vocabulary, 257..1048576 (default 4096)")  # fmt: skip

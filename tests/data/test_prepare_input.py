@@ -86,6 +86,15 @@ def test_symlinks_inside_a_folder_are_skipped_and_each_file_is_read_once(corpus,
     assert json.loads((out / "meta.json").read_text())["sources"] == meta["sources"]
 
 
+def test_the_console_says_what_was_not_read(corpus, tmp_path, capsys):
+    os.symlink("a.txt", corpus.parent / "b.txt")
+    (corpus.parent / "c.bin").write_bytes(b"\xff\xfe")
+    code, err = _prepare([str(corpus.parent), "--out", str(tmp_path / "out")], capsys)
+    assert code == 0 and err.count("\n") == 1, err
+    assert f"not read: {corpus.parent / 'b.txt'}, {corpus.parent / 'c.bin'} (" in err, err
+    assert "symlinks inside folders are not followed" in err, err
+
+
 def test_an_unreadable_input_is_one_line(corpus, tmp_path, capsys):
     if os.geteuid() == 0:
         pytest.skip("root reads any file")

@@ -11,6 +11,7 @@ the newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -139,3 +140,45 @@ def test_a_group_hung_before_its_first_step_is_restarted_after_the_startup_timeo
     assert "not ready within the start-up timeout 20s" in failure["why"], failure
     assert [e["group"] for e in run.events("group_started")] == [0, 1, 1]
     assert sorted(losses(run.run_dir)) == list(range(1, 9))
+
+
+def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
+    """Both groups stopped (SIGSTOP) in the same step, with no gradients sent: no group waits for
+    another, so only the rule for a quorum hung as a whole finds them, after the hang timeout
+    since the last step released; both restart and, with no live group to give its state,
+    resume from the newest checkpoint; the run finishes."""
+    stop_at = 6  # both groups sleep before step 7: the test stops them there, once step 4's
+    # checkpoint has committed
+    nproc = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1",
+             "--hang-timeout", "10", "--max-restarts", "4"]  # fmt: skip
+    faults = [f"slow@{stop_at}:process={p}:seconds=8" for p in (0, 1)]
+    run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
+                 train_cmd(10, 4))  # fmt: skip
+    stopped: list[int] = []
+    try:
+        ckpts = run.run_dir / "checkpoints"
+        _wait_for(run, lambda ls: any(m["step"] >= stop_at for m in ls) and (ckpts / "4").is_dir(),
+                  f"step {stop_at} and checkpoint 4")  # fmt: skip
+        stopped = [e["pids"][0] for e in run.events("group_started")]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        newest = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        run.close()
+    hung = [e for e in run.events("group_failure") if e["source"] == "hub"]
+    assert sorted(e["group"] for e in hung) == [0, 1], hung
+    assert all(e["why"].startswith("hung: no step released") for e in hung), hung
+    assert sorted(e["group"] for e in run.events("group_restart")) == [0, 1]
+    assert "no replica group is training" in run.output()
+    resumed = [e for e in run.events("group_joined") if e.get("all_lost")]
+    assert sorted((e["group"], e["step"], e["transfer"]) for e in resumed) == [
+        (0, newest, False), (1, newest, False),
+    ]  # fmt: skip
+    restored = [e for e in run.events("restore") if e["time"] > hung[0]["time"]]
+    assert restored and {e["step"] for e in restored} == {newest}, restored
+    final = _lines(run.run_dir)[-1]
+    assert final["step"] == 10 and final["quorum"] == [0, 1]

@@ -36,6 +36,7 @@ from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, write_json
 from jaxpar.supervisor.group import LocalGroup
 from jaxpar.supervisor.job import JobState
+from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import classify_exit, worker_env
 from jaxpar.worker import bootstrap, group_wire
@@ -336,7 +337,9 @@ class Hub:
 
     # -- the supervisor's side ------------------------------------------------------------------
 
-    def drop_hung(self, timeout_s: float, now: float | None = None) -> dict[int, str]:
+    def drop_hung(
+        self, timeout_s: float, now: float | None = None, saving: bool = False
+    ) -> dict[int, str]:
         """Hung groups, dropped so the others go on (returned: group -> why):
 
         - a group of a pending step's quorum that has not sent its shards `timeout_s` after the
@@ -344,8 +347,9 @@ class Hub:
         - every group of the quorum when none of them has sent all its shards and no step has
           been released for `timeout_s` (at least 10 of the recent times between releases:
           DiLoCo's outer steps are H steps apart) — all of them stopped or stuck inside their
-          own group. Only once the job's first step was released (not in the start-up), and not
-          once a group has finished.
+          own group. Only once the job's first step was released (not in the start-up), not
+          once a group has finished, and not while a group is `saving` a checkpoint (the caller
+          gives an open save the start-up time, as a plain job's monitor does).
         """
         now = time.time() if now is None else now
         hung: dict[int, str] = {}
@@ -362,7 +366,9 @@ class Hub:
                     hung[g] = (f"hung: no gradients for step {step} {timeout_s:.0f}s after the "
                                f"other groups'")  # fmt: skip
                     self._drop(g, hung[g])
-            return hung or self._quorum_hung(timeout_s, now)  # after a drop, a step went on
+            if hung or saving:  # after a drop a step went on
+                return hung
+            return self._quorum_hung(timeout_s, now)
 
     def _quorum_hung(self, timeout_s: float, now: float) -> dict[int, str]:
         """Every live group of the quorum, when none of them has made progress (see drop_hung)."""
@@ -418,6 +424,7 @@ class ReplicaGroup(LocalGroup):
         super().__init__(opts, waker)
         self.group, self.hub, self.key = group, hub, key
         self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
+        self.incarnation = -1  # its current processes' incarnation (their events carry it)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
@@ -447,6 +454,8 @@ class ReplicaSupervisor(JobState):
         self.groups: list[ReplicaGroup] = []
         self.done: set[int] = set()
         self.group_restarts = 0
+        self.tail: EventTail | None = None  # the workers' events: checkpoint saves
+        self.saving: tuple[int, float] | None = None  # an open save: (incarnation, since)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_request = signum
@@ -463,6 +472,7 @@ class ReplicaSupervisor(JobState):
             self.hub = Hub(self.opts.bind, key, self.opts.groups, self.per_group,
                            self.opts.min_groups, self.event, lambda g: self.waker.poke())  # fmt: skip
             self.slots = [(0, i) for i in range(self.opts.nproc)]
+            self.tail = EventTail(self.events_path)
             self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
                                    if e.get("event") == runlog.WorkerEvent.START)  # fmt: skip
             self.event(SupervisorEvent.LAUNCH, nproc=self.opts.nproc, nnodes=1,
@@ -508,7 +518,7 @@ class ReplicaSupervisor(JobState):
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
         assert self.hub is not None
         self.hub.running(g)
-        grp.t_spawn = time.time()
+        grp.t_spawn, grp.incarnation = time.time(), spec.get("incarnation", self.incarnation)
         grp.start(spec)
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
@@ -543,7 +553,8 @@ class ReplicaSupervisor(JobState):
                 if g not in failed and g not in self.done and grp.procs and not grp.alive():
                     if all(p.returncode == 0 for p in grp.procs.values()):
                         self.done.add(g)
-            for g, why in self.hub.drop_hung(self.opts.hang_timeout or 60.0).items():
+            saving = self._saving(time.time())
+            for g, why in self.hub.drop_hung(self.opts.hang_timeout or 60.0, saving=saving).items():
                 failed.setdefault(g, why)
             for g, why in self._hung_in_startup(time.time()):
                 failed.setdefault(g, why)
@@ -576,6 +587,20 @@ class ReplicaSupervisor(JobState):
                     self.event(GROUP_STOPPED, group=g, why="the other groups finished the run")
                 return "completed", 0
             self.waker.wait(0.25)
+
+    def _saving(self, now: float) -> bool:
+        """A checkpoint save (the lowest group's) is open and within the start-up timeout: the
+        quorum is not judged hung as a whole meanwhile (a save may compile, as in a plain job)."""
+        assert self.tail is not None
+        for e in self.tail.read():
+            if e.get("event") == runlog.WorkerEvent.SAVE_BEGIN:
+                self.saving = (e.get("incarnation"), now)
+            elif e.get("event") == runlog.WorkerEvent.SAVE_END:
+                self.saving = None
+        live = {grp.incarnation for grp in self.groups if grp.procs and grp.alive()}
+        if self.saving is not None and self.saving[0] not in live:  # its group is gone
+            self.saving = None
+        return self.saving is not None and now - self.saving[1] <= self.timeouts()[1]
 
     def _hung_in_startup(self, now: float) -> list[tuple[int, str]]:
         """Running groups not ready (every process's program built, its state read) within the

@@ -252,8 +252,9 @@ def test_hub_drops_every_group_when_the_whole_quorum_hangs_and_restarts_them_fro
 
 def test_hub_does_not_take_a_long_step_or_a_held_quorum_for_a_hung_one():
     """The rule for a quorum hung as a whole waits at least 10 of the recent times between
-    releases (DiLoCo's outer steps are H steps apart), and never fires while a group waits in an
-    average (for a quorum of --min-groups, as here, or for a late group: the other rule's)."""
+    releases (DiLoCo's outer steps are H steps apart), not while a checkpoint save is open, and
+    never while a group waits in an average (for a quorum of --min-groups, as here, or for a
+    late group: the other rule's)."""
     hub, events = _hub(2, min_groups=2)
     try:
         w0, w1 = _start_two(hub)
@@ -261,6 +262,7 @@ def test_hub_does_not_take_a_long_step_or_a_held_quorum_for_a_hung_one():
             time.sleep(0.5)  # the groups' steps between two releases take 0.5 s
             _step_two(w0, w1, step)
         assert hub.drop_hung(1.0, now=time.time() + 3) == {}  # 10 x 0.5 s, not the timeout's 1 s
+        assert hub.drop_hung(1.0, now=time.time() + 1000, saving=True) == {}  # a save is open
         w1.close()  # group 1 dies; group 0 waits in step 3 for a quorum of two
         _until(lambda: 1 not in hub.alive)
         _average(w0, 3, np.array([1.0], np.float32))

@@ -338,8 +338,9 @@ class Hub:
     # -- the supervisor's side ------------------------------------------------------------------
 
     def drop_hung(
-        self, timeout_s: float, now: float | None = None, saving: bool = False
-    ) -> dict[int, str]:
+        self, timeout_s: float, now: float | None = None, saving: bool = False,
+        startup_s: float | None = None,
+    ) -> dict[int, str]:  # fmt: skip
         """Hung groups, dropped so the others go on (returned: group -> why):
 
         - a group of a pending step's quorum that has not sent its shards `timeout_s` after the
@@ -347,9 +348,11 @@ class Hub:
         - every group of the quorum when none of them has sent all its shards and no step has
           been released for `timeout_s` (at least 10 of the recent times between releases:
           DiLoCo's outer steps are H steps apart) — all of them stopped or stuck inside their
-          own group. Only once the job's first step was released (not in the start-up), not
-          once a group has finished, and not while a group is `saving` a checkpoint (the caller
-          gives an open save the start-up time, as a plain job's monitor does).
+          own group. In the job's first step (a start, where programs may still warm up) the
+          limit is `startup_s` (none without it) from the moment every running group is ready,
+          and only the groups that have not sent their shards are dropped. Never once a group
+          has finished, nor while a group is `saving` a checkpoint (the caller gives an open
+          save the start-up time, as a plain job's monitor does).
         """
         now = time.time() if now is None else now
         hung: dict[int, str] = {}
@@ -368,27 +371,36 @@ class Hub:
                     self._drop(g, hung[g])
             if hung or saving:  # after a drop a step went on
                 return hung
-            return self._quorum_hung(timeout_s, now)
+            return self._quorum_hung(timeout_s, now, startup_s)
 
-    def _quorum_hung(self, timeout_s: float, now: float) -> dict[int, str]:
-        """Every live group of the quorum, when none of them has made progress (see drop_hung)."""
-        if not self.started or self.stopping or self.finished or self.progress_at is None:
+    def _quorum_hung(self, timeout_s: float, now: float, startup_s: float | None) -> dict[int, str]:
+        """The quorum's groups not in a step's average when no step has been released for the
+        limit (see drop_hung)."""
+        if self.stopping or self.finished or self.progress_at is None:
             return {}
         q = sorted(g for g in self.joined if g in self.alive)
-        waiting = any(all((g, k) in got for k in range(self.per_group))
-                      for got in self.pending.values() for g in q)  # fmt: skip
-        if not q or waiting:  # a group waits in an average: for the others, or a quorum
-            return {}
-        median = sorted(self.intervals)[len(self.intervals) // 2] if self.intervals else 0.0
-        limit = max(timeout_s, 10 * median)
+        sent = {g for g in q for got in self.pending.values()
+                if all((g, k) in got for k in range(self.per_group))}  # fmt: skip
         idle = now - self.progress_at
+        if self.started:
+            if not q or sent:  # a group waits in an average: for the others, or a quorum
+                return {}
+            median = sorted(self.intervals)[len(self.intervals) // 2] if self.intervals else 0.0
+            limit = max(timeout_s, 10 * median)
+            why = (f"hung: no step released for {idle:.0f}s (hang timeout {limit:.0f}s) with no "
+                   f"group of the quorum {q} in a step's average")  # fmt: skip
+        else:  # the first step waits for every running group: once all are ready, start-up's
+            if startup_s is None or not q or any(g not in self.joined for g in self.alive):
+                return {}
+            limit = startup_s
+            why = (f"hung: the first step not released {idle:.0f}s after every group was ready "
+                   f"(start-up timeout {limit:.0f}s)")  # fmt: skip
         if idle < limit:
             return {}
-        why = (f"hung: no step released for {idle:.0f}s (hang timeout {limit:.0f}s) with no "
-               f"group of the quorum {q} in a step's average")  # fmt: skip
-        for g in q:
+        late = [g for g in q if g not in sent]
+        for g in late:
             self._drop(g, why)
-        return dict.fromkeys(q, why)
+        return dict.fromkeys(late, why)
 
     def running(self, g: int) -> None:
         with self.cv:
@@ -553,10 +565,12 @@ class ReplicaSupervisor(JobState):
                 if g not in failed and g not in self.done and grp.procs and not grp.alive():
                     if all(p.returncode == 0 for p in grp.procs.values()):
                         self.done.add(g)
-            saving = self._saving(time.time())
-            for g, why in self.hub.drop_hung(self.opts.hang_timeout or 60.0, saving=saving).items():
+            hang, startup, _ = self.timeouts()
+            now = time.time()
+            hung = self.hub.drop_hung(hang, saving=self._saving(now, startup), startup_s=startup)
+            for g, why in hung.items():
                 failed.setdefault(g, why)
-            for g, why in self._hung_in_startup(time.time()):
+            for g, why in self._hung_in_startup(now, startup):
                 failed.setdefault(g, why)
             for g in self.hub.take_void_transfers():
                 failed.setdefault(g, "the state transfer to it was cut short")
@@ -588,7 +602,7 @@ class ReplicaSupervisor(JobState):
                 return "completed", 0
             self.waker.wait(0.25)
 
-    def _saving(self, now: float) -> bool:
+    def _saving(self, now: float, startup: float) -> bool:
         """A checkpoint save (the lowest group's) is open and within the start-up timeout: the
         quorum is not judged hung as a whole meanwhile (a save may compile, as in a plain job)."""
         assert self.tail is not None
@@ -600,14 +614,13 @@ class ReplicaSupervisor(JobState):
         live = {grp.incarnation for grp in self.groups if grp.procs and grp.alive()}
         if self.saving is not None and self.saving[0] not in live:  # its group is gone
             self.saving = None
-        return self.saving is not None and now - self.saving[1] <= self.timeouts()[1]
+        return self.saving is not None and now - self.saving[1] <= startup
 
-    def _hung_in_startup(self, now: float) -> list[tuple[int, str]]:
+    def _hung_in_startup(self, now: float, startup: float) -> list[tuple[int, str]]:
         """Running groups not ready (every process's program built, its state read) within the
         start-up timeout of their start: hung before their first step, where no step's average
         waits for them yet."""
         assert self.hub is not None
-        startup = self.timeouts()[1]
         with self.hub.cv:
             ready = set(self.hub.joined) | set(self.hub.transfers)
         return [(g, f"hung: not ready within the start-up timeout {startup:.0f}s")

@@ -250,6 +250,33 @@ def test_hub_drops_every_group_when_the_whole_quorum_hangs_and_restarts_them_fro
         hub.close()
 
 
+def test_hub_gives_the_first_step_the_startup_timeout_once_every_group_is_ready():
+    """The job's first step waits for every running group; once all are ready, groups that send
+    nothing for the start-up timeout are dropped as hung, and the step goes on without them."""
+    hub, events = _hub(3, min_groups=1)
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for w in (w0, w1):
+            w.send({"kind": "ready", "step": 0})
+        _until(lambda: len(hub.joined) == 2)
+        _average(w0, 0, np.array([1.0], np.float32))
+        _until(lambda: hub.pending)
+        assert hub.drop_hung(60.0, now=time.time() + 10_000, startup_s=600.0) == {}  # 2 starts
+        before = time.time()
+        w2 = _connect(hub, 2)
+        w2.send({"kind": "ready", "step": 0})
+        assert all(w.recv()[0]["kind"] == "start" for w in (w0, w1, w2))
+        assert hub.drop_hung(60.0, now=before + 599, startup_s=600.0) == {}
+        hung = hub.drop_hung(60.0, now=time.time() + 601, startup_s=600.0)
+        assert sorted(hung) == [1, 2] and all(
+            w.startswith("hung: the first") for w in hung.values()
+        )
+        header, (mean,) = w0.recv()
+        assert header["quorum"] == [0] and mean.tolist() == [1.0]
+    finally:
+        hub.close()
+
+
 def test_hub_does_not_take_a_long_step_or_a_held_quorum_for_a_hung_one():
     """The rule for a quorum hung as a whole waits at least 10 of the recent times between
     releases (DiLoCo's outer steps are H steps apart), not while a checkpoint save is open, and

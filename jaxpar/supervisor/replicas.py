@@ -436,7 +436,6 @@ class ReplicaGroup(LocalGroup):
         super().__init__(opts, waker)
         self.group, self.hub, self.key = group, hub, key
         self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
-        self.incarnation = -1  # its current processes' incarnation (their events carry it)
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
@@ -530,7 +529,7 @@ class ReplicaSupervisor(JobState):
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
         assert self.hub is not None
         self.hub.running(g)
-        grp.t_spawn, grp.incarnation = time.time(), spec.get("incarnation", self.incarnation)
+        grp.t_spawn = time.time()
         grp.start(spec)
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
@@ -611,7 +610,7 @@ class ReplicaSupervisor(JobState):
                 self.saving = (e.get("incarnation"), now)
             elif e.get("event") == runlog.WorkerEvent.SAVE_END:
                 self.saving = None
-        live = {grp.incarnation for grp in self.groups if grp.procs and grp.alive()}
+        live = {grp.spec["incarnation"] for grp in self.groups if grp.spec and grp.alive()}
         if self.saving is not None and self.saving[0] not in live:  # its group is gone
             self.saving = None
         return self.saving is not None and now - self.saving[1] <= startup

@@ -4,6 +4,7 @@ one-line refusals of `jaxpar launch --groups`."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -13,7 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar.supervisor.replicas import Hub
+from jaxpar.rundir.runlog import append_line
+from jaxpar.supervisor.monitor import EventTail
+from jaxpar.supervisor.options import Options
+from jaxpar.supervisor.replicas import Hub, ReplicaGroup, ReplicaSupervisor
 from jaxpar.worker import group_wire
 from jaxpar.worker.group_wire import Wire, WireError
 
@@ -298,6 +302,35 @@ def test_hub_does_not_take_a_long_step_or_a_held_quorum_for_a_hung_one():
         assert not [e for e in events if e["event"] == "group_failure" and "hung" in e["why"]]
     finally:
         hub.close()
+
+
+def test_supervisor_gives_an_open_save_the_startup_time(tmp_path):
+    """The supervisor reads the workers' save_begin / save_end from events.jsonl: a save open in
+    a running group holds the quorum-hang rule for the start-up timeout; a save whose group has
+    died holds nothing."""
+    opts = Options(command=[sys.executable, "-c", "import time; time.sleep(120)"], nproc=1,
+                   run_dir=str(tmp_path / "run"), groups=1)  # fmt: skip
+    sup = ReplicaSupervisor(opts)
+    os.makedirs(sup.run_dir)
+    sup.tail = EventTail(sup.events_path)
+    grp = ReplicaGroup(opts, sup.waker, 0, "127.0.0.1:1", KEY)
+    sup.groups = [grp]
+    grp.start({"incarnation": 3, "coordinator": "127.0.0.1:1", "bind": "127.0.0.1:1",
+               "nproc": 1, "process_ids": [0], "attempt": 0, "collective_timeout": 60.0})  # fmt: skip
+    try:
+        now = time.time()
+        assert not sup._saving(now, 600.0)
+        append_line(sup.events_path, {"event": "save_begin", "incarnation": 3, "step": 4})
+        assert sup._saving(now, 600.0) and sup._saving(now + 599, 600.0)
+        assert not sup._saving(now + 601, 600.0)  # a save open past the start-up timeout
+        append_line(sup.events_path, {"event": "save_end", "incarnation": 3, "step": 4})
+        assert not sup._saving(now, 600.0)
+        append_line(sup.events_path, {"event": "save_begin", "incarnation": 3, "step": 8})
+        assert sup._saving(now, 600.0)
+        grp.kill_all()
+        assert not sup._saving(now, 600.0)  # its group is gone: no save will end
+    finally:
+        grp.kill_all()
 
 
 @pytest.mark.parametrize(

@@ -393,17 +393,20 @@ def _execute(
         first_of = jnp.asarray(sched.starts(), jnp.int32)[stage]
         count = jnp.asarray(sched.split, jnp.int32)[stage]
 
-    def group(w_K, x_BTD, c, i):
+    def layers_of(w_K):
+        """The group's weights in the compute dtype, a tree per layer."""
+        w_K = prec.cast(w_K)
+        return [jax.tree.map(lambda a, j=j: a[j], w_K) for j in range(k)]
+
+    def group(layers, x_BTD, c, i):
         # index of the group's first layer in the model
         first = first_of if sched.split else (c * p + stage) * k
-        w_K = prec.cast(w_K)
         # Unrolled (k is small): an inner while loop slicing the weights ran about 2x slower
         # per layer on CPU than straight-line code.
         for j in range(k):
 
             def apply(x_BTD, j=j):
-                block = merge(parts.block_graphdef, parts.block_template,
-                               jax.tree.map(lambda a: a[j], w_K))  # fmt: skip
+                block = merge(parts.block_graphdef, parts.block_template, layers[j])
                 kj = jax.random.fold_in(jax.random.fold_in(key, i), first + j)
                 return block(x_BTD, kj)
 
@@ -414,20 +417,33 @@ def _execute(
                 x_BTD = apply(x_BTD)
         return x_BTD
 
-    structure = []  # the pullback's structure; its leaves are the residuals
+    # Per trace: the pullback's structure, and for each of its leaves the index of the group
+    # weight it is (-1: a residual the forward computed).
+    structure = []
 
     def forward(w_K, x_BTD, c, i):
-        """The group's output and its backward's residuals (a flat list)."""
-        y_BTD, pullback = jax.vjp(lambda w, x: group(w, x, c, i), w_K, x_BTD)
+        """The group's output and the residuals its backward needs, less the group's own
+        weights: those are taken from w_K again at the backward, so a buffer slot does not hold
+        a copy of the stage's weights."""
+        layers = layers_of(w_K)
+        y_BTD, pullback = jax.vjp(lambda ls, x: group(ls, x, c, i), layers, x_BTD)
         leaves, treedef = jax.tree.flatten(pullback)
-        structure.append(treedef)
-        return y_BTD, leaves
+        weights = {id(a): n for n, a in enumerate(jax.tree.leaves(layers))}
+        where = tuple(weights.get(id(a), -1) for a in leaves)
+        structure.append((treedef, where))
+        if structure[0][1] != where:
+            raise AssertionError("the pipeline's forward traced to another residual structure")
+        return y_BTD, [a for a, n in zip(leaves, where, strict=True) if n < 0]
 
     w0 = jax.tree.map(lambda a: a[0], w_VK)
     x0 = jax.ShapeDtypeStruct(x_MBTD.shape[1:], x_MBTD.dtype)
     # Traced once with a traced group and microbatch, as in the loop; filled per work item.
     _, res0 = jax.eval_shape(forward, w0, x0, jnp.int32(0), jnp.int32(0))
-    treedef = structure[0]
+    treedef, where = structure[0]
+
+    def pullback(w_K, res):
+        weights, saved = jax.tree.leaves(layers_of(w_K)), iter(res)
+        return jax.tree.unflatten(treedef, [weights[n] if n >= 0 else next(saved) for n in where])
 
     def buf(shape, dtype):
         return jnp.zeros((v, slots, *shape), dtype)
@@ -445,63 +461,78 @@ def _execute(
         "loss": jnp.zeros((), jnp.float32),
     }
     zero_x = jnp.zeros(x0.shape, x0.dtype)
+    zero_res = [jnp.zeros(r.shape, r.dtype) for r in res0]
+    zero_gw = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), w_VK)
+    zero_rest = f32_zeros(rest)
+    zero_loss = jnp.zeros((), jnp.float32)
 
     def put(a, c, slot, value):
-        return lax.dynamic_update_index_in_dim(a, lax.dynamic_update_index_in_dim(
-            a[c], value.astype(a.dtype), slot, 0), c, 0)  # fmt: skip
+        """a[c, slot] = value, in place (one slot written, not the group's buffer copied)."""
+        start = (c, slot, *(jnp.zeros((), c.dtype) for _ in range(value.ndim)))
+        return lax.dynamic_update_slice(a, value.astype(a.dtype)[None, None], start)
 
-    def add(tree, c, value):
-        return jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), tree, value)
+    def f32(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
-    def add_all(tree, value):
-        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), tree, value)
+    # A work item maps one slot's inputs to its outputs: (residuals, activation sent on, loss
+    # gradient kept, gradient sent back, embedded-input gradient kept, loss, head gradients,
+    # group weight gradients). The buffers are read before the switch and written after it: a
+    # switch that carried them through copied every buffer at every tick (time per tick growing
+    # with the slots, so with m for gpipe).
+    def out(res=None, send_f=zero_x, g=zero_x, send_b=zero_x, gx=zero_x, loss=zero_loss,
+            grest=None, gw=None):  # fmt: skip
+        return (zero_res if res is None else res, send_f, g, send_b, gx, loss,
+                zero_rest if grest is None else f32(grest), zero_gw if gw is None else f32(gw))  # fmt: skip
 
-    def pullback(st, c, slot):
-        return jax.tree.unflatten(treedef, [r[c, slot] for r in st["res"]])
+    def idle(w_K, c, i, x_slot, x_first, res, g_slot):
+        return out()
 
-    def run_forward(st, c, slot, i, x_BTD):
-        y_BTD, res = forward(jax.tree.map(lambda a: a[c], w_VK), x_BTD, c, i)
-        st = {**st, "res": [put(a, c, slot, r) for a, r in zip(st["res"], res, strict=True)]}
-        return st, y_BTD
+    def f_mid(w_K, c, i, x_slot, x_first, res, g_slot):
+        y_BTD, res = forward(w_K, x_slot, c, i)
+        return out(res=res, send_f=y_BTD)
 
-    def idle(st, c, slot, i):
-        return st, zero_x, zero_x
+    def f_first(w_K, c, i, x_slot, x_first, res, g_slot):
+        y_BTD, res = forward(w_K, x_first, c, i)
+        return out(res=res, send_f=y_BTD)
 
-    def f_mid(st, c, slot, i):
-        st, y_BTD = run_forward(st, c, slot, i, st["x"][c, slot])
-        return st, y_BTD, zero_x
-
-    def f_first(st, c, slot, i):
-        st, y_BTD = run_forward(st, c, slot, i, x_MBTD[i])
-        return st, y_BTD, zero_x
-
-    def f_last(st, c, slot, i):
-        st, y_BTD = run_forward(st, c, slot, i, st["x"][c, slot])
+    def f_last(w_K, c, i, x_slot, x_first, res, g_slot):
+        y_BTD, res = forward(w_K, x_slot, c, i)
         loss, (g_rest, g_BTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest, y_BTD, i)
-        st = {**st, "g": put(st["g"], c, slot, g_BTD), "loss": st["loss"] + loss,
-              "grest": add_all(st["grest"], g_rest)}  # fmt: skip
-        return st, zero_x, zero_x
+        return out(res=res, g=g_BTD, loss=loss, grest=g_rest)
 
-    def input_grad(st, c, slot):
-        return pullback(st, c, slot)(st["g"][c, slot])[1]
+    def b_mid(w_K, c, i, x_slot, x_first, res, g_slot):
+        return out(send_b=pullback(w_K, res)(g_slot)[1])
 
-    def b_mid(st, c, slot, i):
-        return st, zero_x, input_grad(st, c, slot)
+    def b_first(w_K, c, i, x_slot, x_first, res, g_slot):
+        return out(gx=pullback(w_K, res)(g_slot)[1])
 
-    def b_first(st, c, slot, i):
-        gx = lax.dynamic_update_index_in_dim(st["gx"], input_grad(st, c, slot), i, 0)
-        return {**st, "gx": gx}, zero_x, zero_x
-
-    def weight_grad(st, c, slot, i):
-        g_K = pullback(st, c, slot)(st["g"][c, slot])[0]
-        return {**st, "gw": add(st["gw"], c, g_K)}, zero_x, zero_x
+    def weight_grad(w_K, c, i, x_slot, x_first, res, g_slot):
+        per_layer = pullback(w_K, res)(g_slot)[0]
+        return out(gw=jax.tree.map(lambda *g: jnp.stack(g), *per_layer))
 
     branches = [idle, f_mid, f_first, f_last, b_mid, b_first, weight_grad]
     assert len(branches) == W + 1
 
     def tick(st, t):
         branch, c, slot, i = (tables["op"][t, stage, j] for j in range(4))
-        st, send_f, send_b = lax.switch(branch, branches, st, c, slot, i)
+        res_slot = [r[c, slot] for r in st["res"]]
+        g_slot, gx_i = st["g"][c, slot], st["gx"][i]
+        w_K = jax.tree.map(lambda a: a[c], w_VK)
+        res, send_f, g_new, send_b, gx_new, loss, grest, gw = lax.switch(
+            branch, branches, w_K, c, i, st["x"][c, slot], x_MBTD[i], res_slot, g_slot
+        )
+        ran_f = (branch == F) | (branch == F_FIRST) | (branch == F_LAST)
+        st = {
+            **st,
+            "res": [put(a, c, slot, jnp.where(ran_f, r, old))
+                    for a, r, old in zip(st["res"], res, res_slot, strict=True)],
+            "g": put(st["g"], c, slot, jnp.where(branch == F_LAST, g_new, g_slot)),
+            "gx": lax.dynamic_update_index_in_dim(
+                st["gx"], jnp.where(branch == B_FIRST, gx_new, gx_i), i, 0),
+            "loss": st["loss"] + loss,
+            "grest": jax.tree.map(jnp.add, st["grest"], grest),
+            "gw": jax.tree.map(lambda a, g: a.at[c].add(g), st["gw"], gw),
+        }  # fmt: skip
         recv_f = lax.ppermute(send_f, AXIS, fwd_ring)
         recv_b = lax.ppermute(send_b, AXIS, bwd_ring)
         for name, recv, table in (("x", recv_f, "recv_f"), ("g", recv_b, "recv_b")):

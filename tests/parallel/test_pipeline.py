@@ -232,14 +232,14 @@ def test_parity_with_remat(jp, reference, schedule, m):
 
 def _temps(jp, schedule: str, m: int) -> int:
     """Per-device temporaries of the compiled train step (XLA's memory analysis): gpt_tiny
-    with 8 layers on pipeline=4, two rows per microbatch (the batch grows with m)."""
+    with 8 layers on pipeline=4, four rows per microbatch (the batch grows with m)."""
     from train.recipes import gpt_tiny
 
     base = gpt_tiny()
     cfg = dataclasses.replace(
         base,
         model=dataclasses.replace(base.model, n_layers=8),
-        data=dataclasses.replace(base.data, global_batch=2 * m),
+        data=dataclasses.replace(base.data, global_batch=4 * m),
         pipeline=PipelineConfig(schedule, m, 1),
     )
     return collectives.memory(jp.compile_layout(cfg, "pp4").step)["temps"]

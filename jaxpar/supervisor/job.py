@@ -40,6 +40,7 @@ class JobState:
         self.stop_request: int | None = None
         self.startup_measured: float | None = None  # the slowest start-up to the first step
         self.faults_seen: list[dict] = []
+        self.timeouts_warned = False  # the collective-vs-hang warning is said once per job
 
     def take_lock(self) -> bool:
         """Create the run directory and hold its lock for the whole job (a second `jaxpar
@@ -72,7 +73,8 @@ class JobState:
         else:
             startup = max(120.0, 3 * self.startup_measured) if self.startup_measured else 600.0
         coll = o.collective_timeout or (2 * hang + 60 if o.hang_timeout else 600.0)
-        if coll <= hang:
+        if coll <= hang and not self.timeouts_warned:
+            self.timeouts_warned = True
             say(f"warning: collective timeout {coll:.0f}s <= hang timeout {hang:.0f}s: a hang "
                 f"may be reported as the peers' collective error")  # fmt: skip
         return hang, startup, coll

@@ -443,3 +443,15 @@ def test_shrink_keeps_the_expert_axis_and_its_batch_share():
     mesh = {"data": 4, "fsdp": 1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 2}
     plan = supervisor.shrink_plan(3, 2, 16, mesh, 1, 1)
     assert plan == {"nproc": 2, "mesh": dict(mesh, data=2), "microbatches": 2}
+
+
+def test_the_timeouts_warning_is_said_once_per_job(tmp_path, capsys):
+    """The replica supervisor asks for its timeouts at every pass of its loop (4 a second): a
+    collective timeout at or under the hang timeout is said once, not at every pass."""
+    from jaxpar.supervisor.job import JobState
+
+    opts = supervisor.Options(command=["x"], nproc=1, run_dir=str(tmp_path),
+                              hang_timeout=30.0, collective_timeout=20.0)  # fmt: skip
+    job = JobState(opts)
+    assert [job.timeouts()[2] for _ in range(3)] == [20.0] * 3
+    assert capsys.readouterr().err.count("collective timeout 20s <= hang timeout 30s") == 1

@@ -332,7 +332,10 @@ class Checkpointer:
         meta: dict,
         use_async: bool = True,
         before_commit: Callable[[int], None] | None = None,
+        tidy: bool = True,
     ):
+        """`tidy`: orbax removes the unfinished saves it finds (`N.orbax-checkpoint-tmp`) as it
+        starts; False where another process may have a save in flight in the same folder."""
         self.run = run
         self.every = every
         self.use_async = use_async
@@ -348,7 +351,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=tidy,
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._pre_commit),
         )

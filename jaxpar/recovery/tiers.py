@@ -37,6 +37,8 @@ class TierSetup:
     per_replica_params: bool = False  # DiLoCo: parameters held once per data replica
     before_commit: Callable[[int], None] | None = None  # faults: persistent save, pre-commit
     before_snapshot: Callable[[int], None] | None = None  # faults: local snapshot, pre-commit
+    # remove unfinished saves at start (False where another process may be saving: replica groups)
+    tidy_checkpoints: bool = True
 
     @property
     def mesh_text(self) -> str:
@@ -122,6 +124,7 @@ class PersistentTier:
         self.checkpointer = Checkpointer(
             setup.run, every=cfg.ckpt.every, keep=cfg.ckpt.keep, meta=meta,
             use_async=cfg.ckpt.use_async, before_commit=setup.before_commit,
+            tidy=setup.tidy_checkpoints,
         )  # fmt: skip
         # compile the checksums now, not in the first save
         self.checkpointer.warm_up(setup.abstract_state)

@@ -451,6 +451,7 @@ class ReplicaGroup(LocalGroup):
             group_wire.ENV_GROUP: str(self.group), group_wire.ENV_GROUPS: str(self.opts.groups),
             group_wire.ENV_GLOBAL_PROCESS: str(pid), group_wire.ENV_HUB: self.hub,
             group_wire.ENV_KEY: self.key.hex(),
+            group_wire.ENV_TIDY: "1" if spec.get("tidy") else "0",
         })  # fmt: skip
         return env
 
@@ -523,7 +524,9 @@ class ReplicaSupervisor(JobState):
                 "bind": join_address(self.opts.bind, port), "nproc": self.per_group,
                 "process_ids": ids, "attempt": self.group_restarts, "faults": self.opts.faults,
                 "collective_timeout": self.opts.collective_timeout or 600.0,
-                "run_lock": self.lock.token}  # fmt: skip
+                "run_lock": self.lock.token,
+                # no other group runs: this one may remove unfinished saves (none is in flight)
+                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
         path = "spares" if len(grp.spares) >= len(ids) else "cold"
         if grp.standby_ready():  # built for this group's next start: its own world, warmed up
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"

@@ -36,6 +36,9 @@ ENV_GROUPS = "JAXPAR_GROUPS"  # R
 ENV_GLOBAL_PROCESS = bootstrap.ENV_GLOBAL_PROCESS  # group * P + process id
 ENV_HUB = "JAXPAR_GROUP_HUB"  # HOST:PORT of the leader's group hub
 ENV_KEY = "JAXPAR_GROUP_KEY"  # the job's group key (hex), made by the leader
+# "1": no other group runs while this one starts, so it may remove unfinished checkpoint saves
+# (another group's save in flight is never one)
+ENV_TIDY = "JAXPAR_GROUP_TIDY"
 
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 36  # 64 GiB: one process's share of a state

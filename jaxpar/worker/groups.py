@@ -36,6 +36,13 @@ def active() -> bool:
     return group_wire.group_env() is not None
 
 
+def tidies_checkpoints() -> bool:
+    """Whether this process may remove unfinished checkpoint saves when it starts: always outside
+    groups; in groups only when no other group ran as this one started (a group restarted beside
+    live ones would delete the save they have in flight)."""
+    return not active() or os.environ.get(group_wire.ENV_TIDY) == "1"
+
+
 def group_count() -> int:
     env = group_wire.group_env()
     return env["groups"] if env else 1

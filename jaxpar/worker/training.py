@@ -480,6 +480,7 @@ def faults_and_tiers(s: Session, specs: list) -> tuple[Faults, list[Tier]]:
         s.cfg, s.run, s.mesh, s.program.abstract_state,
         per_replica_params=s.program.sync_step is not None,  # DiLoCo
         before_commit=inject.before_commit, before_snapshot=inject.before_snapshot,
+        tidy_checkpoints=groups.tidies_checkpoints(),
     )  # fmt: skip
     tiers = build_tiers(setup)
     inject.wait_for_saves = tiers[-1].checkpointer.wait  # `corrupt` must see the newest save

@@ -347,3 +347,38 @@ def test_groups_bad_input_one_line(tmp_path, args, message):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+def test_a_group_started_beside_live_groups_leaves_their_save_in_flight(tmp_path, monkeypatch):
+    """orbax removes the unfinished saves it finds as a checkpointer starts. A group restarted
+    while another group saves (seen: group 1 restarted during group 0's save of step 4, which
+    then committed damaged and the next run started from step 0) must not: only a group that
+    starts with no other group running tidies the shared folder."""
+    from jaxpar.recovery.checkpoint import Checkpointer
+    from jaxpar.rundir.writer import RunDir
+    from jaxpar.worker import groups
+
+    opts = Options(command=["x"], nproc=2, run_dir=str(tmp_path / "run"), groups=2)
+    grp = ReplicaGroup(opts, None, 1, "127.0.0.1:1", KEY)
+    spec = {"coordinator": "127.0.0.1:2", "bind": "127.0.0.1:2", "nproc": 1, "incarnation": 1,
+            "collective_timeout": 60.0}  # fmt: skip
+    beside, alone = grp._env({**spec, "tidy": False}, 1, 0), grp._env({**spec, "tidy": True}, 1, 0)
+    assert beside[group_wire.ENV_TIDY] == "0" and alone[group_wire.ENV_TIDY] == "1"
+    for env, tidies in ((beside, False), (alone, True), ({}, True)):
+        for name in (group_wire.ENV_GROUPS, group_wire.ENV_GROUP, group_wire.ENV_HUB,
+                     group_wire.ENV_KEY, group_wire.ENV_TIDY):  # fmt: skip
+            monkeypatch.delenv(name, raising=False)
+            if name in env:
+                monkeypatch.setenv(name, env[name])
+        assert groups.tidies_checkpoints() is tidies, env.get(group_wire.ENV_TIDY)
+
+    run = RunDir(str(tmp_path / "run"), 0)
+    in_flight = tmp_path / "run" / "checkpoints" / "4.orbax-checkpoint-tmp"
+    in_flight.mkdir(parents=True)
+    (in_flight / "manifest.ocdbt").write_bytes(b"being written")
+    ckpt = Checkpointer(run, every=0, keep=2, meta={}, tidy=False)
+    ckpt.close()
+    assert (in_flight / "manifest.ocdbt").read_bytes() == b"being written"
+    ckpt = Checkpointer(run, every=0, keep=2, meta={})  # a job's first start: tidies
+    ckpt.close()
+    _until(lambda: not in_flight.exists(), timeout=30.0)  # orbax's cleanup runs on a thread

@@ -110,7 +110,7 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     finally:
         again.close()
     restored = [e for e in again.events("restore") if e["time"] > lines[-1]["time"]]
-    assert restored and restored[0]["step"] >= 4
+    assert restored and restored[0]["step"] >= 4, (again.events("restore"), again.output()[-3000:])
     final = _lines(again.run_dir)[-1]
     assert final["step"] == STEPS and final["quorum"] == [0, 1]
     summary = again.summary()["groups"]

@@ -137,8 +137,9 @@ def _receive(lines: list[bytes]) -> tuple[list, str]:
     a, b = socket.socketpair()
     with a:
         chan = Channel(b, Lines(b), Session(SECRET.encode(), "aa" * 16, "bb" * 16, leader=False))
-        for line in lines:
-            a.sendall(line)
+        # one write: the channel closes on the first message it refuses, and a later write
+        # would then meet a closed socket (EPIPE) on a loaded machine
+        a.sendall(b"".join(lines))
         got = []
         while (msgs := chan.messages(timeout=10)) and msgs[-1] is not None:
             got += msgs

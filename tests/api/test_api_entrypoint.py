@@ -55,7 +55,10 @@ def test_custom_loop_under_jaxpar_launch_recovers_and_is_accounted_like_train(tm
     assert [e["incarnation"] for e in starts] == [0, 1]
     assert starts[1]["path"] == "spare"  # a pre-started spare ran the script
     (restore,) = [e for e in events if e["event"] == "restore"]
-    assert restore["incarnation"] == 1 and restore["tier"] == "local" and restore["step"] >= 4
+    # from RAM, a step before the kill: which one depends on how far the asynchronous snapshot
+    # writer had got (5 when idle; 3 seen on a loaded machine)
+    assert restore["incarnation"] == 1 and restore["tier"] == "local", restore
+    assert 1 <= restore["step"] < 6, restore
 
     with open(run_dir / "summary.json") as f:
         s = json.load(f)

@@ -537,9 +537,10 @@ def _add_launch_parser(sub) -> None:
         type=_int_at_least(1),
         default=1,
         metavar="R",
-        help="run the --nproc processes as R replica groups, each its own jax.distributed "
-        "world and mesh, data parallel across groups; a failed group restarts alone while the "
-        "others keep training (jaxpar docs cluster)",
+        help="run the processes as R replica groups, each its own jax.distributed world and "
+        "mesh, data parallel across groups; a failed group restarts alone while the others keep "
+        "training; with --nnodes N, R is a multiple of N and each host runs R/N whole groups "
+        "(jaxpar docs cluster)",
     )
     la.add_argument(
         "--min-groups",

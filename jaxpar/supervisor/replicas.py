@@ -34,11 +34,14 @@ from typing import Any
 
 from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, write_json
+from jaxpar.supervisor.channel import token
 from jaxpar.supervisor.group import LocalGroup
+from jaxpar.supervisor.group_hosts import RemoteGroup, RemoteHost, group_key
 from jaxpar.supervisor.job import JobState
 from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import classify_exit, worker_env
+from jaxpar.supervisor.transport import Rendezvous
 from jaxpar.worker import bootstrap, group_wire
 from jaxpar.worker.group_wire import Wire, WireError
 
@@ -63,10 +66,14 @@ def check_groups(opts: Options) -> None:
         if opts.min_groups != 1:
             raise ValueError(f"--min-groups {opts.min_groups} without --groups; give --groups R")
         return
-    if opts.nnodes > 1:
-        raise ValueError("--groups runs on one host (--nnodes 1); give --nnodes 1")
-    if opts.nproc % r:
-        raise ValueError(f"--nproc {opts.nproc} is not divisible by --groups {r}; give a multiple")
+    n = opts.nnodes
+    if r % n:
+        raise ValueError(f"--groups {r} is not a multiple of --nnodes {n} (each host runs whole "
+                         f"groups); give a multiple of {n}")  # fmt: skip
+    if opts.nproc % (r // n):
+        per = "" if n == 1 else f" (per host) by the {r // n} groups per host"
+        raise ValueError(f"--nproc {opts.nproc} is not divisible by --groups {r}{per}; give a "
+                         f"multiple")  # fmt: skip
     if not 1 <= opts.min_groups <= r:
         raise ValueError(f"--min-groups {opts.min_groups} must be in [1, --groups {r}]")
 
@@ -78,7 +85,7 @@ class Hub:
     """The leader's group hub: one listening socket, one reader thread per worker connection."""
 
     def __init__(self, bind: str, key: bytes, groups: int, per_group: int, min_groups: int,
-                 event, on_drop) -> None:  # fmt: skip
+                 event, on_drop, advertise: str | None = None) -> None:  # fmt: skip
         self.key, self.groups, self.per_group, self.min_groups = key, groups, per_group, min_groups
         self.event, self.on_drop = event, on_drop
         self.cv = threading.Condition()
@@ -106,7 +113,8 @@ class Hub:
         self.sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
         self.sock.bind((bind, 0))
         self.sock.listen(64)
-        self.address = join_address(bind, self.sock.getsockname()[1])
+        # what the workers connect to: the leader's address others reach (several hosts)
+        self.address = join_address(advertise or bind, self.sock.getsockname()[1])
         self.closed = False
         self.stopping = False  # the job is being stopped (a preemption): exits are no failures
         threading.Thread(target=self._accept, daemon=True, name="jaxpar-hub").start()
@@ -432,23 +440,33 @@ class Hub:
 class ReplicaGroup(LocalGroup):
     """One replica group's workers: process k of the group is jax process k of its own world."""
 
-    def __init__(self, opts: Options, waker, group: int, hub: str, key: bytes):
+    def __init__(self, opts: Options, waker, group: int, hub: str, key: bytes,
+                 groups: int | None = None, host_offset: int = 0):  # fmt: skip
         super().__init__(opts, waker)
         self.group, self.hub, self.key = group, hub, key
+        self.n_groups = groups or opts.groups
+        self.host_offset = host_offset  # the global id of this host's first process
         self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
+
+    def finished(self) -> bool:
+        """Every process of its current start exited with 0."""
+        return bool(self.procs) and not self.alive() and all(
+            p.returncode == 0 for p in self.procs.values()
+        )  # fmt: skip
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
         env = worker_env(
             base, coordinator=spec["coordinator"], bind=spec["bind"], nproc=spec["nproc"],
-            process_id=local_rank, local_rank=pid, devices_per_proc=self.opts.devices_per_proc,
+            process_id=local_rank, local_rank=pid - self.host_offset,
+            devices_per_proc=self.opts.devices_per_proc,
             run_dir=self.opts.run_dir, incarnation=spec["incarnation"],
             faults=spec.get("faults", self.opts.faults),
             heartbeat_timeout=spec["collective_timeout"],
             collective_timeout=spec["collective_timeout"], run_lock=spec.get("run_lock"),
         )  # fmt: skip
         env.update({
-            group_wire.ENV_GROUP: str(self.group), group_wire.ENV_GROUPS: str(self.opts.groups),
+            group_wire.ENV_GROUP: str(self.group), group_wire.ENV_GROUPS: str(self.n_groups),
             group_wire.ENV_GLOBAL_PROCESS: str(pid), group_wire.ENV_HUB: self.hub,
             group_wire.ENV_KEY: self.key.hex(),
             group_wire.ENV_TIDY: "1" if spec.get("tidy") else "0",
@@ -461,10 +479,13 @@ class ReplicaSupervisor(JobState):
 
     def __init__(self, opts: Options):
         super().__init__(opts)
-        self.per_group = opts.nproc // opts.groups
+        self.per_group = opts.nproc * opts.nnodes // opts.groups
         self.hub: Hub | None = None
-        self.groups: list[ReplicaGroup] = []
+        self.groups: list[ReplicaGroup | RemoteGroup] = []
+        self.hosts: list[RemoteHost] = []  # the other hosts' agents (--nnodes > 1)
+        self.nonce = ""  # what the group key is derived from on several hosts
         self.done: set[int] = set()
+        self.gone: set[int] = set()  # groups lost with their host: never restarted
         self.group_restarts = 0
         self.tail: EventTail | None = None  # the workers' events: checkpoint saves
         self.saving: tuple[int, float] | None = None  # an open save: (incarnation, since)
@@ -477,26 +498,48 @@ class ReplicaSupervisor(JobState):
         t0 = time.time()
         if not self.take_lock():  # one job per run directory
             return 2
+        o = self.opts
+        try:  # several hosts: the group key is derived from the agents' token, never sent
+            shared = token(o) if o.nnodes > 1 else b""
+        except ValueError as e:
+            self.lock.release()
+            say(f"error: {e}")
+            return 2
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         status, code = "failed", 1
-        key = secrets.token_bytes(32)  # this job's group key: the workers' and the hub's only
+        if o.nnodes > 1:
+            self.nonce = secrets.token_hex(16)
+            key = group_key(shared, self.nonce)
+        else:
+            key = secrets.token_bytes(32)  # this job's group key: the workers' and the hub's only
         try:
-            self.hub = Hub(self.opts.bind, key, self.opts.groups, self.per_group,
-                           self.opts.min_groups, self.event, lambda g: self.waker.poke())  # fmt: skip
-            self.slots = [(0, i) for i in range(self.opts.nproc)]
+            if o.nnodes > 1:
+                server = Rendezvous(o, shared, self.event, self.waker)
+                nodes = server.wait(lambda: self.stop_request is not None)
+                odd = [n.rank for n in nodes if n.nproc != o.nproc]
+                if odd:
+                    raise RuntimeError(f"the agents of nodes {odd} run another --nproc than "
+                                       f"{o.nproc}: replica groups need the same on every host")  # fmt: skip
+                self.hosts = [RemoteHost(n, self.event) for n in nodes]
+            self.hub = Hub(o.bind, key, o.groups, self.per_group, o.min_groups, self.event,
+                           lambda g: self.waker.poke(),
+                           advertise=o.host if o.nnodes > 1 else None)  # fmt: skip
+            self.slots = [(n, i) for n in range(o.nnodes) for i in range(o.nproc)]
             self.tail = EventTail(self.events_path)
             self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
                                    if e.get("event") == runlog.WorkerEvent.START)  # fmt: skip
-            self.event(SupervisorEvent.LAUNCH, nproc=self.opts.nproc, nnodes=1,
-                       devices_per_proc=self.opts.devices_per_proc,
-                       max_restarts=self.opts.max_restarts, groups=self.opts.groups,
-                       min_groups=self.opts.min_groups, command=shlex.join(self.opts.command),
-                       pid=os.getpid())  # fmt: skip
-            self.groups = [ReplicaGroup(self.opts, self.waker, g, self.hub.address, key)
-                           for g in range(self.opts.groups)]  # fmt: skip
-            for g in range(self.opts.groups):
+            self.event(SupervisorEvent.LAUNCH, nproc=len(self.slots), nnodes=o.nnodes,
+                       devices_per_proc=o.devices_per_proc, max_restarts=o.max_restarts,
+                       groups=o.groups, min_groups=o.min_groups,
+                       command=shlex.join(o.command), pid=os.getpid())  # fmt: skip
+            per_host = o.groups // o.nnodes
+            self.groups = [ReplicaGroup(o, self.waker, g, self.hub.address, key)
+                           if g < per_host else RemoteGroup(self.hosts[g // per_host - 1], g)
+                           for g in range(o.groups)]  # fmt: skip
+            for g in range(o.groups):
                 self._start(g)
-            say(f"{self.opts.groups} replica groups of {self.per_group} process(es) started, "
+            hosts = f" on {o.nnodes} hosts" if o.nnodes > 1 else ""
+            say(f"{o.groups} replica groups of {self.per_group} process(es) started{hosts}, "
                 f"group hub {self.hub.address}")  # fmt: skip
             status, code = self._loop()
         except (RuntimeError, OSError) as e:
@@ -506,6 +549,8 @@ class ReplicaSupervisor(JobState):
                 grp.kill_all()
                 grp.release_spares()
                 grp.release_standby()
+            for host in self.hosts:
+                host.close(code)
             if self.hub is not None:
                 self.hub.close()
             for s, h in handlers.items():
@@ -518,10 +563,16 @@ class ReplicaSupervisor(JobState):
         """Start group `g`: its standby group where one is ready (--standby), else its spares
         (pre-started processes, imports done), else cold."""
         grp = self.groups[g]
-        port = free_port(self.opts.bind)
         ids = list(range(g * self.per_group, (g + 1) * self.per_group))
+        if isinstance(grp, RemoteGroup):
+            self._start_remote(grp, ids)
+            return
+        # the group's own world is on this host: its coordinator on loopback (on one host the
+        # job's bind is loopback too)
+        bind = self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
+        port = free_port(bind)
         spec = {"incarnation": self.incarnation, "coordinator": join_address("127.0.0.1", port),
-                "bind": join_address(self.opts.bind, port), "nproc": self.per_group,
+                "bind": join_address(bind, port), "nproc": self.per_group,
                 "process_ids": ids, "attempt": self.group_restarts, "faults": self.opts.faults,
                 "collective_timeout": self.opts.collective_timeout or 600.0,
                 "run_lock": self.lock.token,
@@ -537,6 +588,21 @@ class ReplicaSupervisor(JobState):
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
                    pids=[grp.procs[p].pid for p in ids])  # fmt: skip
+
+    def _start_remote(self, grp: RemoteGroup, ids: list[int]) -> None:
+        """Ask the agent of the group's host to start it (spares there, else cold); its agent
+        picks the group's coordinator, and its reply is the `group_started` event."""
+        assert self.hub is not None
+        spec = {"incarnation": self.incarnation, "coordinator": "", "bind": "",
+                "nproc": self.per_group, "process_ids": ids, "attempt": self.group_restarts,
+                "faults": self.opts.faults,
+                "collective_timeout": self.opts.collective_timeout or 600.0,
+                "run_lock": self.lock.token, "group": grp.group, "groups": self.opts.groups,
+                "hub": self.hub.address, "group_nonce": self.nonce,
+                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
+        self.hub.running(grp.group)
+        grp.t_spawn = time.time()
+        grp.start(spec)
 
     def _mark_joined(self) -> None:
         """A group the hub has admitted is past its start-up: its spares and standby group may
@@ -559,14 +625,18 @@ class ReplicaSupervisor(JobState):
                 return "interrupted", 130
             failed: dict[int, str] = {}
             self._mark_joined()
+            out = self._hosts_lost()
+            if out is not None:
+                return out
             for g, grp in enumerate(self.groups):
+                if g in self.gone:
+                    continue
                 for pid, rc in grp.poll():
                     if rc == 0:
                         continue
                     failed.setdefault(g, f"process {pid} exited: {classify_exit(rc)} (code {rc})")
-                if g not in failed and g not in self.done and grp.procs and not grp.alive():
-                    if all(p.returncode == 0 for p in grp.procs.values()):
-                        self.done.add(g)
+                if g not in failed and g not in self.done and grp.finished():
+                    self.done.add(g)
             hang, startup, _ = self.timeouts()
             now = time.time()
             hung = self.hub.drop_hung(hang, saving=self._saving(now, startup), startup_s=startup)
@@ -578,7 +648,7 @@ class ReplicaSupervisor(JobState):
                 failed.setdefault(g, "the state transfer to it was cut short")
             with self.hub.cv:
                 lost = [g for g in range(len(self.groups))
-                        if g not in self.hub.alive and g not in self.done]  # fmt: skip
+                        if g not in self.hub.alive and g not in self.done | self.gone]  # fmt: skip
             for g in lost:
                 failed.setdefault(g, "its connection to the group hub was lost")
             with self.hub.cv:
@@ -589,20 +659,45 @@ class ReplicaSupervisor(JobState):
                     f"the newest checkpoint in {self.run_dir}/checkpoints"
                 )
             for g, why in sorted(failed.items()):
+                if g in self.gone:
+                    continue
                 out = self._fail(g, why, others=bool(training))
                 if out is not None:
                     return out
-            if len(self.done) == len(self.groups):
+            if self.done and len(self.done | self.gone) == len(self.groups):
                 return "completed", 0
             with self.hub.cv:
                 waiting = [g for g in range(len(self.groups))
-                           if g not in self.done and g not in self.hub.joined]  # fmt: skip
-            if self.done and len(self.done) + len(waiting) == len(self.groups):
+                           if g not in self.done | self.gone and g not in self.hub.joined]  # fmt: skip
+            if self.done and len(self.done | self.gone) + len(waiting) == len(self.groups):
                 for g in waiting:  # restarted, still waiting for a state nobody will give now
                     self.groups[g].stop(0.0)
                     self.event(GROUP_STOPPED, group=g, why="the other groups finished the run")
                 return "completed", 0
             self.waker.wait(0.25)
+
+    def _hosts_lost(self) -> tuple[str, int] | None:
+        """Groups whose host's agent is lost leave for good (their processes went with it, or
+        are stopped by their agent); the job fails once fewer than --min-groups are left."""
+        assert self.hub is not None
+        for g, grp in enumerate(self.groups):
+            if g in self.gone or not isinstance(grp, RemoteGroup) or not grp.node_lost():
+                continue
+            self.gone.add(g)
+            why = f"the agent of node {grp.host.rank} (its host) was lost"
+            self.hub.drop(g, why)
+            self.event(GROUP_FAILURE, group=g, why=why, source="supervisor", permanent=True)
+            say(f"group {g} lost with node {grp.host.rank}: it is not restarted; the other "
+                f"groups keep training")  # fmt: skip
+        left = len(self.groups) - len(self.gone)
+        if self.gone and left < self.opts.min_groups:
+            reason = (f"{left} replica group(s) left after a host was lost, fewer than "
+                      f"--min-groups {self.opts.min_groups}")  # fmt: skip
+            self.event(SupervisorEvent.GAVE_UP, reason=reason)
+            say(f"giving up: {reason}. The run resumes from the newest checkpoint in "
+                f"{self.run_dir}/checkpoints (the same command lines, or --min-groups {left}).")  # fmt: skip
+            return "gave_up", 1
+        return None
 
     def _saving(self, now: float, startup: float) -> bool:
         """A checkpoint save (the lowest group's) is open and within the start-up timeout: the
@@ -627,7 +722,7 @@ class ReplicaSupervisor(JobState):
             ready = set(self.hub.joined) | set(self.hub.transfers)
         return [(g, f"hung: not ready within the start-up timeout {startup:.0f}s")
                 for g, grp in enumerate(self.groups)
-                if g not in self.done and g not in ready and grp.procs and grp.alive()
+                if g not in self.done | self.gone and g not in ready and grp.alive()
                 and now - grp.t_spawn > startup]  # fmt: skip
 
     def _preempt(self) -> tuple[str, int]:
@@ -671,7 +766,7 @@ class ReplicaSupervisor(JobState):
         try:
             summary = goodput.summarize_run(
                 self.run_dir, wall_s, self.restarts, status, counted_restarts=self.counted,
-                nproc=self.opts.nproc,
+                nproc=len(self.slots) or self.opts.nproc,
             )  # fmt: skip
             hub = self.hub
             summary["groups"] = {

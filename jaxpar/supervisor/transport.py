@@ -401,8 +401,16 @@ def run_follower(opts: Options) -> int:
     if isinstance(chan, tuple):
         say(f"node {opts.node_rank}: {chan[1]}")
         return chan[0]
+    from jaxpar.supervisor.group_hosts import FollowerGroups
+
     group = LocalGroup(opts, waker)
-    signal.signal(signal.SIGTERM, lambda *_: group.send(signal.SIGTERM))  # preemption notice
+    replicas = FollowerGroups(opts, waker, key)  # this host's replica groups, if the job has any
+
+    def notice(*_) -> None:  # the preemption notice
+        group.send(signal.SIGTERM)
+        replicas.send(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, notice)
     say(f"node {opts.node_rank}: joined the leader at {opts.coordinator}")
     stopped: list[int] = []
     try:
@@ -413,8 +421,8 @@ def run_follower(opts: Options) -> int:
                     say(f"node {opts.node_rank}: {why}; stopping local workers")
                     return 1
                 try:
-                    code = _follow(msg, group, chan)
-                except (ChannelError, TypeError, ValueError) as e:
+                    code = _follow(msg, group, chan, replicas)
+                except (ChannelError, TypeError, ValueError, KeyError) as e:
                     say(f"node {opts.node_rank}: ignored a malformed message from the leader: "
                         f"{printable(e)}")  # fmt: skip
                     continue
@@ -422,6 +430,8 @@ def run_follower(opts: Options) -> int:
                     return code
             for pid, code in group.poll():
                 chan.send({"exit": pid, "code": code, "attempt": group.attempt})
+            for exited in replicas.poll():
+                chan.send(exited)
             if (now := group.stopped()) != stopped:  # a hang names a stopped worker
                 stopped = now
                 chan.send({"stopped_workers": now, "attempt": group.attempt})
@@ -429,24 +439,36 @@ def run_follower(opts: Options) -> int:
     finally:
         group.kill_all()
         group.release_spares()
+        replicas.close()
         chan.close()
 
 
-def _follow(msg: dict, group: LocalGroup, chan: Channel) -> int | None:
-    """Carry out one leader message; an exit code when the agent should leave."""
+def _follow(msg: dict, group: LocalGroup, chan: Channel, replicas) -> int | None:
+    """Carry out one leader message; an exit code when the agent should leave. A message
+    naming a `group` is for one of this host's replica groups (`replicas`, FollowerGroups)."""
     cmd = msg.get("cmd")
     if cmd == "start":
-        group.start(check_spec(msg.get("spec")))
+        spec = check_spec(msg.get("spec"))
+        if "group" in spec:
+            chan.send(replicas.start(spec))
+        else:
+            group.start(spec)
     elif cmd == "signal":
         sig = _int(msg, "sig")
         if sig not in SIGNALS:
             raise ChannelError(f"signal {sig} is not one the leader may send")
-        group.send(sig)
+        if "group" in msg:
+            replicas.send(sig, msg["group"])
+        else:
+            group.send(sig)
     elif cmd == "stop":
         grace = msg.get("grace_s")
         if not isinstance(grace, int | float) or not 0 <= grace <= 3600:
             raise ChannelError("stop needs grace_s in [0, 3600]")
-        chan.send({"stopped": group.stop(float(grace))})
+        if "group" in msg:  # no reply: the leader starts it again next, or leaves
+            replicas.stop(msg["group"], float(grace))
+        else:
+            chan.send({"stopped": group.stop(float(grace))})
     elif cmd == "exit":
         return _int(msg, "code")
     return None

@@ -134,6 +134,15 @@ class Hosts:
                 pass
         return pids
 
+    def cut(self, i: int) -> None:
+        """Cut host i off the network (its link to the bridge down): a partition; its
+        processes keep running and its sockets stay open."""
+        _ip("link", "set", self._veths[i], "down")
+
+    def heal(self, i: int) -> None:
+        """Put host i back on the network after `cut`."""
+        _ip("link", "set", self._veths[i], "up")
+
     def close(self) -> None:
         for i in range(self.n):
             if os.path.exists(os.path.join("/run/netns", self.ns[i])):

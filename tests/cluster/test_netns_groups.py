@@ -1,0 +1,117 @@
+"""Replica groups across two network-namespace hosts (`jaxpar launch --nnodes 2 --groups 2`):
+group 0 on host h0 with the leader, group 1 on h1, each a jax.distributed world of its own; the
+group hub's traffic and the state transfer go over the bridge.
+
+One job, in turn: group 1's process killed (only group 1 restarts, on h1, and rejoins from
+group 0's state); h1 cut off the network (group 1 is dropped by the hang rule while group 0
+trains on) and healed (group 1 is restarted by the leader's queued command and rejoins); h1
+lost for good, its agent and workers killed (group 0 finishes alone, --min-groups 1). Group 0's
+process runs throughout, and no step is trained twice.
+
+    python -m pytest tests/cluster -m netns
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxpar.rundir.runlog import read_jsonl
+from tests.support.helpers import REPO, SMALL, cpu_env, events, losses
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STEPS, KILL_AT = 90, 4
+TIMEOUT = 900  # generous: a loaded 2-core machine
+
+
+def _start(hosts, run_dir, tag: str) -> tuple[list[subprocess.Popen], list]:
+    coordinator = f"{hosts.addr(0)}:29400"
+    train = [sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--no-progress", "--steps",
+             str(STEPS), "--set", "ckpt.every=20", *SMALL]  # fmt: skip
+    faults = ["--fault", f"kill@{KILL_AT}:process=1",  # group 1's process, on h1
+              # group 0 paced from then on: the partition and the rejoins fit in the run
+              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=0.7"]  # fmt: skip
+    procs, logs = [], []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nnodes", "2", "--node-rank",
+               str(i), "--coordinator", coordinator, "--nproc", "1", "--devices-per-proc", "2",
+               "--groups", "2", "--min-groups", "1", "--hang-timeout", "10",
+               "--run-dir", str(run_dir), *(faults if i == 0 else []), "--", *train]  # fmt: skip
+        logs.append(run_dir.parent / f"{run_dir.name}.{tag}{i}.log")
+        with open(logs[-1], "wb") as log:
+            procs.append(hosts.popen(i, cmd, cwd=REPO, env=cpu_env(devices=None, cache=False),
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL))  # fmt: skip
+    return procs, logs
+
+
+def test_groups_across_hosts_survive_a_kill_a_partition_and_a_lost_host(hosts2, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t0 = time.time()
+    procs, logs = _start(hosts2, run_dir, "a")
+
+    def out(i: int) -> str:
+        return logs[i].read_text(errors="replace")[-5000:]
+
+    def until(ok, what: str, agents=(0, 1)) -> None:
+        deadline = time.time() + TIMEOUT
+        while not ok():
+            for i in agents:
+                assert procs[i].poll() is None, f"{what}: agent {i} ended\n{out(0)}\n{out(1)}"
+            assert time.time() < deadline, f"no {what} in {TIMEOUT}s:\n{out(0)}\n{out(1)}"
+            time.sleep(0.2)
+
+    def rejoined() -> list[dict]:
+        return [e for e in events(run_dir, "group_joined") if e["transfer"]]
+
+    def both_since(step: int) -> bool:  # a step after `step` that group 1 took part in
+        lines = read_jsonl(str(run_dir / "metrics.jsonl"))
+        return any(m.get("quorum") == [0, 1] and m["step"] > step for m in lines)
+
+    try:
+        until(lambda: len(rejoined()) == 1 and both_since(KILL_AT), "group 1 back after the kill")
+        print(f"netns groups: killed and rejoined at {time.time() - t0:.0f}s")
+        hosts2.cut(1)
+        cut_at = max(losses(run_dir))
+        until(lambda: any("hung" in e["why"] for e in events(run_dir, "group_failure")),
+              "group 1 dropped while cut off")  # fmt: skip
+        until(lambda: max(losses(run_dir)) >= cut_at + 5, "group 0 training alone")
+        hosts2.heal(1)
+        until(lambda: len(rejoined()) == 2, "group 1 rejoined after the partition")
+        healed_at = rejoined()[-1]["step"]
+        until(lambda: both_since(healed_at), "a step with group 1 back after the partition")
+        print(f"netns groups: partitioned, healed and rejoined at {time.time() - t0:.0f}s")
+        assert max(losses(run_dir)) < STEPS - 5, "the run finished before host 1 could be lost"
+        killed = hosts2.kill_host(1)  # its agent and its workers at once
+        assert len(killed) >= 2, killed
+        procs[0].wait(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    print(f"netns groups: host 1 lost, group 0 finished at {time.time() - t0:.0f}s")
+    assert procs[0].returncode == 0, out(0)
+    assert f"joined the leader at {hosts2.addr(0)}:29400" in out(1)
+    started = events(run_dir, "group_started")
+    # group 0 started once (its process ran throughout); group 1 three times, all on host 1
+    assert [(e["group"], e.get("node", 0)) for e in started] == [(0, 0)] + [(1, 1)] * 3
+    assert [e["group"] for e in events(run_dir, "group_restart")] == [1, 1]
+    assert all(e["donor"] == 0 and e["group"] == 1 for e in rejoined())
+    gone = [e for e in events(run_dir, "group_failure") if e.get("permanent")]
+    assert [e["group"] for e in gone] == [1] and "node 1" in gone[0]["why"], gone
+    lines = [m for m in read_jsonl(str(run_dir / "metrics.jsonl")) if "quorum" in m]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # no step trained twice
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    quorum = {m["step"]: m["quorum"] for m in lines}
+    assert quorum[KILL_AT] == [0] and quorum[STEPS] == [0]
+    # a group_joined event's step counts the steps done when the state was taken: the group
+    # trains from the next one on
+    assert quorum[healed_at + 1] == [0, 1], (healed_at, quorum)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["groups"]["group_restarts"] == 2

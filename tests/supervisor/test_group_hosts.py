@@ -1,0 +1,119 @@
+"""Replica groups on several hosts without jax (jaxpar/supervisor/group_hosts.py): which layouts
+`--nnodes N --groups R` accepts, the group key each agent derives (never sent), what an agent
+refuses from a start message, and how the leader reads an agent's reports of its groups."""
+
+from __future__ import annotations
+
+import queue
+import sys
+
+import pytest
+
+from jaxpar.supervisor.group_hosts import (
+    FollowerGroups,
+    RemoteGroup,
+    RemoteHost,
+    check_group_spec,
+    group_key,
+)
+from jaxpar.supervisor.options import Options
+from jaxpar.supervisor.replicas import check_groups
+
+NONCE = "ab" * 16
+
+
+def _opts(tmp_path, **kw) -> Options:
+    base = {"command": [sys.executable, "-c", "pass"], "nproc": 2,
+            "run_dir": str(tmp_path / "run")}  # fmt: skip
+    return Options(**{**base, **kw})
+
+
+def _spec(**kw) -> dict:
+    spec = {"incarnation": 0, "coordinator": "", "bind": "", "nproc": 2, "process_ids": [2, 3],
+            "attempt": 0, "collective_timeout": 60.0, "group": 1, "groups": 2,
+            "hub": "10.0.0.1:4000", "group_nonce": NONCE, "tidy": False}  # fmt: skip
+    return {**spec, **kw}
+
+
+def test_groups_on_several_hosts_must_be_whole_groups_per_host(tmp_path):
+    check_groups(_opts(tmp_path, nnodes=2, groups=2, min_groups=2))
+    check_groups(_opts(tmp_path, nnodes=2, groups=4, min_groups=3))  # 2 groups of 1 per host
+    with pytest.raises(ValueError, match=r"--groups 3 is not a multiple of --nnodes 2"):
+        check_groups(_opts(tmp_path, nnodes=2, groups=3, min_groups=2))
+    with pytest.raises(ValueError, match=r"--nproc 3 is not divisible .* 2 groups per host"):
+        check_groups(_opts(tmp_path, nproc=3, nnodes=2, groups=4, min_groups=3))
+
+
+def test_the_group_key_is_derived_from_the_token_and_the_nonce():
+    key = group_key(b"t" * 32, NONCE)
+    assert key == group_key(b"t" * 32, NONCE) and len(key) == 32
+    assert key != group_key(b"u" * 32, NONCE)  # another job's agents
+    assert key != group_key(b"t" * 32, "cd" * 16)  # another start of the job
+    assert b"t" * 32 not in key
+
+
+def test_an_agent_refuses_start_messages_not_for_its_own_groups(tmp_path):
+    assert check_group_spec(_spec(), nnodes=2, node_rank=1) == 1
+    bad = {
+        "this host's groups": _spec(group=0),  # node 0's group
+        "multiple of 2": _spec(groups=3),
+        "32 hex digits": _spec(group_nonce="../../etc"),
+        "'hub'": _spec(hub=""),
+        "'tidy'": _spec(tidy="yes"),
+        "'nproc' processes": _spec(process_ids=[2]),
+    }
+    for why, spec in bad.items():
+        with pytest.raises(ValueError, match=why):
+            check_group_spec(spec, nnodes=2, node_rank=1)
+    agent = FollowerGroups(_opts(tmp_path, nnodes=2, node_rank=1), None, b"t" * 32)
+    with pytest.raises(ValueError, match="not this host's"):
+        agent.start(_spec(process_ids=[0, 1]))  # node 0's processes
+    with pytest.raises(ValueError, match="no group"):
+        agent.stop(1, 0.0)  # never started here
+    assert agent.groups == {}
+
+
+class _Chan:
+    def __init__(self):
+        self.inbox: queue.Queue = queue.Queue()
+        self.sent: list[dict] = []
+        self.error = ""
+
+    def messages(self):
+        out = []
+        while not self.inbox.empty():
+            out.append(self.inbox.get())
+        return out
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+class _Node:
+    def __init__(self):
+        self.chan, self.rank = _Chan(), 1
+
+
+def test_the_leader_reads_exits_and_starts_of_the_current_attempt_only():
+    events: list = []
+    host = RemoteHost(_Node(), lambda name, **f: events.append({"event": name, **f}))
+    grp = RemoteGroup(host, 1)
+    grp.start(_spec(attempt=3))
+    assert host.node.chan.sent[-1]["cmd"] == "start" and grp.alive() == [2, 3]
+    for msg in (
+        {"group": 1, "attempt": 3, "started": True, "pids": [41, 42], "path": "spares"},
+        {"group": 1, "attempt": 2, "exit": 2, "code": -9},  # a stopped start's
+        {"group": 1, "attempt": 3, "exit": 7, "code": -9},  # not one of its processes
+        {"group": 0, "attempt": 3, "exit": 2, "code": -9},  # another group's
+        {"group": 1, "attempt": 3, "exit": 2, "code": -9},
+    ):
+        host.node.chan.inbox.put(msg)
+    assert grp.poll() == [(2, -9)] and grp.alive() == [3] and not grp.finished()
+    (started,) = events
+    assert started["group"] == 1 and started["node"] == 1 and started["pids"] == [41, 42]
+    host.node.chan.inbox.put({"group": 1, "attempt": 3, "exit": 3, "code": 0})
+    assert grp.poll() == [(3, 0)] and grp.alive() == []
+    grp.stop(0.0)  # stopped on purpose: its later exits are not reported
+    assert host.node.chan.sent[-1] == {"cmd": "stop", "grace_s": 0.0, "group": 1}
+    host.node.chan.inbox.put(None)  # the agent's channel lost: its host with it
+    assert grp.node_lost() and grp.alive() == []

@@ -1,0 +1,91 @@
+"""Replica groups on two `jaxpar launch` agents of this machine (`--nnodes 2 --groups 2`): each
+host runs one group, the leader's supervisor decides for both. Group 1's process (on node 1)
+killed: only group 1 restarts, on node 1, through that agent, and rejoins from group 0's state;
+then node 1 is lost (its agent and workers killed at once): group 0 trains on alone
+(--min-groups 1) to the last step, group 0's process started once throughout.
+
+    python -m pytest tests/supervisor/test_replicas_hosts.py -m slow
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from jaxpar.rundir.runlog import read_jsonl
+from tests.support.launch_util import Launch, losses, train_cmd
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS, KILL_AT = 24, 4
+WAIT = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [m for m in read_jsonl(str(path)) if "quorum" in m] if path.exists() else []
+
+
+def _until(ok, what: str, *runs: Launch) -> None:
+    deadline = time.time() + WAIT
+    while not ok():
+        for run in runs:
+            assert run.proc.poll() is None, f"{what}: an agent ended\n{run.output()}"
+        assert time.time() < deadline, f"no {what} in {WAIT}s:\n{runs[0].output()}"
+        time.sleep(0.2)
+
+
+def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
+    common = ["--nproc", "1", "--devices-per-proc", "2", "--nnodes", "2", "--groups", "2",
+              "--coordinator", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+    faults = ["--fault", f"kill@{KILL_AT}:process=1",  # group 1, on node 1
+              # group 0 slowed after the kill: group 1 rejoins long before the last step
+              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1"]  # fmt: skip
+    cmd = train_cmd(STEPS, 4)
+    run_dir = tmp_path / "run"
+    leader = Launch(run_dir, [*common, "--node-rank", "0", "--min-groups", "1", *faults], cmd,
+                    name="node0")  # fmt: skip
+    follower = Launch(run_dir, [*common, "--node-rank", "1", "--min-groups", "1"], cmd,
+                      name="node1")  # fmt: skip
+    try:
+        # group 1 killed on node 1, restarted there, back in the quorum
+        _until(lambda: any(m.get("quorum") == [0, 1] for m in _lines(run_dir)[KILL_AT:]),
+               "a step with group 1 back", leader, follower)  # fmt: skip
+        started = leader.events("group_started")
+        assert [(e["group"], e.get("node", 0)) for e in started] == [(0, 0), (1, 1), (1, 1)]
+        node1 = started[-1]["pids"]
+        # node 1 lost: its agent and its workers at once
+        os.killpg(follower.proc.pid, signal.SIGKILL)
+        for pid in node1:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert leader.wait(WAIT) == 0, leader.output()
+    finally:
+        leader.close()
+        follower.close()
+    assert "joined the leader" in follower.output()
+    (restart,) = leader.events("group_restart")
+    assert restart["group"] == 1
+    (joined,) = [e for e in leader.events("group_joined") if e["transfer"]]
+    assert joined["group"] == 1 and joined["donor"] == 0
+    gone = [e for e in leader.events("group_failure") if e.get("permanent")]
+    assert [e["group"] for e in gone] == [1] and "node 1" in gone[0]["why"], gone
+    # group 0 was started once and trained every step; group 1 never again after its host
+    assert [e["group"] for e in leader.events("group_started")] == [0, 1, 1]
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    lines = _lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # no step rewound
+    assert lines[KILL_AT - 1]["quorum"] == [0] and lines[-1]["quorum"] == [0]
+    assert any(m["quorum"] == [0, 1] for m in lines[KILL_AT:]), lines
+    assert leader.summary()["status"] == "completed"

@@ -7,8 +7,10 @@ One job of R replica groups x P processes x 2 simulated devices (gpt_tiny), thro
 where a failure restarts every process: the baseline survivors improve on), without faults and
 with a random worker SIGKILLed every T seconds, per restart path (the standby group, or the
 spares only); then the same with torchft (torch CPU, gloo, its Lighthouse, a GPT of the same
-shape: `survivors_peer.py`), whose figures go under `torchft`. What is measured:
-`survivors_measure.py`; the design: docs/design.md, "Benchmarks".
+shape: `survivors_peer.py`), whose figures go under `torchft`. Each run's window of `seconds`
+starts `warmup_s` after its first step (every group trained, for the peer): a failure's cost is
+measured, not the job's start-up, when the groups build their spares and standby groups on the
+same cores. What is measured: `survivors_measure.py`; the design: docs/design.md, "Benchmarks".
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, read_jsonl
 
 FULL = {"groups": 3, "per_group": 2, "seconds": 120.0, "periods": (60.0, 30.0),
-        "paths": ("standby", "spares"), "peer": True}  # fmt: skip
+        "paths": ("standby", "spares"), "peer": True, "warmup_s": 30.0}  # fmt: skip
 # quick: one job of 3 groups x 1 process, its first half without faults
 QUICK = {"groups": 3, "per_group": 1, "seconds": 24.0, "periods": (12.0,), "paths": ("standby",),
-         "peer": False}  # fmt: skip
+         "peer": False, "warmup_s": 0.0}  # fmt: skip
 PER_PROCESS_BATCH = 8  # examples per process per step (both sides)
 PATHS = {"standby": ["--standby"], "spares": []}
 
@@ -102,7 +104,8 @@ class JaxparRun:
 
 def drive(run, period: float | None, seconds: float, p: dict, seed: int,
           startup_timeout: float = 1800) -> dict:  # fmt: skip
-    """Wait for the first step, then SIGKILL on schedule for `seconds` s; stop the job."""
+    """Wait for the first step and `p["warmup_s"]`, then SIGKILL on schedule for `seconds` s;
+    stop the job."""
     job = run.job
     rng = random.Random(seed)
     kills: list[measure.Kill] = []
@@ -113,7 +116,11 @@ def drive(run, period: float | None, seconds: float, p: dict, seed: int,
             if job.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the job ended or did not step (see {run.run_dir})")
             time.sleep(0.2)
-        start = min(s.t for s in run.steps())
+        start = min(s.t for s in run.steps()) + p.get("warmup_s", 0.0)
+        while time.time() < start:
+            if job.proc.poll() is not None:
+                raise RuntimeError(f"the job ended while warming up (see {run.run_dir})")
+            time.sleep(0.2)
         due = measure.schedule(start, period, seconds)
         while time.time() < start + seconds:
             samples.append((time.time(), run.pids()))
@@ -190,7 +197,7 @@ def torchft_side(p: dict, root: str) -> tuple[dict, dict]:
         return {"status": "unavailable", "reason": str(e)}, {}
     batch = PER_PROCESS_BATCH * p["groups"] * p["per_group"]
     kw = {"groups": p["groups"], "per_group": p["per_group"], "batch": batch // p["groups"],
-          "min_groups": p["groups"] // 2 + 1}  # fmt: skip
+          "min_groups": p["groups"] // 2 + 1, "warmup_s": p.get("warmup_s", 0.0)}  # fmt: skip
     traces, runs = {}, []
     try:
         traces["baseline"] = peer.run(venv, os.path.join(root, "torchft-baseline"), None,
@@ -256,7 +263,7 @@ def plot(traces: dict, tf_traces: dict, seconds: float, path: str) -> str | None
             for k in tr["kills"]:
                 ax.axvline(k.t - tr["start"], color=line.get_color(), alpha=0.35, ls=":")
         ax.set_title(f"{side}: examples/s ({bin_s:.0f} s bins; dotted: a worker SIGKILLed)")
-        ax.set_xlabel("seconds from the first step")
+        ax.set_xlabel("seconds from the window's start (warm-up after the first step)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -291,6 +298,7 @@ def run(b: Bench) -> dict:
         "devices_per_proc": DEVICES,
         "global_batch": PER_PROCESS_BATCH * p["groups"] * p["per_group"],
         "window_s": p["seconds"],
+        "warmup_s": p.get("warmup_s", 0.0),
         "baseline": base,
         "runs": runs,
         "torchft": tf,

@@ -249,9 +249,11 @@ def _read_lines(path: str) -> list[dict]:
 
 
 def run(venv: str, out: str, period: float | None, seconds: float, groups: int, per_group: int,
-        batch: int, min_groups: int, seed: int = 0, startup_timeout: float = 600) -> dict:  # fmt: skip
+        batch: int, min_groups: int, seed: int = 0, startup_timeout: float = 600,
+        warmup_s: float = 0.0) -> dict:  # fmt: skip
     """One torchft job: SIGKILL a random worker every `period` s (none if None) over `seconds`
-    s from the first step every group trained; returns the trace for survivors_measure."""
+    s from `warmup_s` after the first step every group trained; returns the trace for
+    survivors_measure."""
     job = Job(venv, out, groups, per_group, batch, min_groups)
     rng = random.Random(seed)
     kills: list[Kill] = []
@@ -262,7 +264,11 @@ def run(venv: str, out: str, period: float | None, seconds: float, groups: int, 
             if not job.alive() or time.time() > deadline:
                 raise RuntimeError(f"torchft job did not start (see {out}): {job.errors()[-400:]}")
             time.sleep(0.2)
-        start = time.time()
+        start = time.time() + warmup_s
+        while time.time() < start:
+            if not job.alive():
+                raise RuntimeError(f"torchft job ended while warming up (see {out})")
+            time.sleep(0.2)
         due = schedule(start, period, seconds)
         while time.time() < start + seconds:
             samples.append((time.time(), job.pids()))

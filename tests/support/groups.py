@@ -30,10 +30,10 @@ SHARED = {
 }
 LONGEST_FIRST = {
     GPT_TINY_LAYOUTS: 420,  # test_precision + test_parity + test_step_audit
+    CLUSTER: 365,
     PIPELINE_REST: 330,
     "recovery/test_checkpoint_faults.py": 300,
     PIPELINE_WHOLE_STEPS: 290,
-    CLUSTER: 280,
     "bench/test_bench_recovery.py": 270,
     "data/test_data_e2e.py": 210,
     "recovery/test_local_resume_2proc.py": 170,

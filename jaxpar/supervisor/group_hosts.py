@@ -24,6 +24,7 @@ import signal
 from typing import Any
 
 from jaxpar.rundir.runlog import SupervisorEvent
+from jaxpar.supervisor.channel import printable
 from jaxpar.supervisor.options import free_port, join_address, say
 
 NONCE = re.compile(r"[0-9a-f]{32}")
@@ -104,10 +105,14 @@ class RemoteGroup:
         self.seen: set[str] = set()
         self.stepping = False
         self.t_spawn = 0.0
+        self.refused: str | None = None  # why the agent would not start it (its own line)
 
     def take(self, msg: dict) -> None:
         if msg.get("attempt") != self.attempt:
             return  # a stopped incarnation's
+        if "refused" in msg:
+            self.refused = printable(msg["refused"], 300)
+            return
         if "exit" in msg and type(msg["exit"]) is int and type(msg.get("code")) is int:
             if msg["exit"] in self.ids and msg["exit"] not in self.exits:
                 self.exits[msg["exit"]] = msg["code"]
@@ -186,6 +191,12 @@ class FollowerGroups:
         from jaxpar.supervisor.replicas import ReplicaGroup
 
         g = check_group_spec(spec, self.opts.nnodes, self.opts.node_rank)
+        if spec.get("devices_per_proc") != self.opts.devices_per_proc:
+            raise ValueError(
+                f"node {self.opts.node_rank} runs --devices-per-proc {self.opts.devices_per_proc}"
+                f" and the leader {printable(spec.get('devices_per_proc'), 20)}: replica groups "
+                "need one layout; give every agent the same --devices-per-proc"
+            )
         offset = self.opts.node_rank * self.opts.nproc
         if not all(offset <= p < offset + self.opts.nproc for p in spec["process_ids"]):
             raise ValueError(f"spec 'process_ids' are not this host's ({offset}...)")

@@ -598,6 +598,7 @@ class ReplicaSupervisor(JobState):
                 "faults": self.opts.faults,
                 "collective_timeout": self.opts.collective_timeout or 600.0,
                 "run_lock": self.lock.token, "group": grp.group, "groups": self.opts.groups,
+                "devices_per_proc": self.opts.devices_per_proc,
                 "hub": self.hub.address, "group_nonce": self.nonce,
                 "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
         self.hub.running(grp.group)
@@ -677,9 +678,16 @@ class ReplicaSupervisor(JobState):
             self.waker.wait(0.25)
 
     def _hosts_lost(self) -> tuple[str, int] | None:
-        """Groups whose host's agent is lost leave for good (their processes went with it, or
-        are stopped by their agent); the job fails once fewer than --min-groups are left."""
+        """An agent that refused to start its group ends the job (exit 2, its line); groups whose
+        host's agent is lost leave for good (their processes went with it, or are stopped by
+        their agent); the job fails once fewer than --min-groups are left."""
         assert self.hub is not None
+        for grp in self.groups:
+            if isinstance(grp, RemoteGroup) and grp.refused is not None:
+                reason = f"node {grp.host.rank} refused group {grp.group}: {grp.refused}"
+                self.event(SupervisorEvent.GAVE_UP, reason=reason)
+                say(f"error: {reason}")
+                return "failed", 2
         for g, grp in enumerate(self.groups):
             if g in self.gone or not isinstance(grp, RemoteGroup) or not grp.node_lost():
                 continue

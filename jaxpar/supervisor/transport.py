@@ -450,7 +450,12 @@ def _follow(msg: dict, group: LocalGroup, chan: Channel, replicas) -> int | None
     if cmd == "start":
         spec = check_spec(msg.get("spec"))
         if "group" in spec:
-            chan.send(replicas.start(spec))
+            try:
+                chan.send(replicas.start(spec))
+            except ValueError as e:  # said to the leader, which gives up with this line
+                say(f"node {replicas.opts.node_rank}: refused to start a replica group: {e}")
+                chan.send({"group": spec.get("group"), "attempt": spec["attempt"],
+                           "refused": str(e)[:300]})  # fmt: skip
         else:
             group.start(spec)
     elif cmd == "signal":

@@ -5,6 +5,8 @@ refuses from a start message, and how the leader reads an agent's reports of its
 from __future__ import annotations
 
 import queue
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +20,7 @@ from jaxpar.supervisor.group_hosts import (
 )
 from jaxpar.supervisor.options import Options
 from jaxpar.supervisor.replicas import check_groups
+from tests.support.launch_util import clean_env
 
 NONCE = "ab" * 16
 
@@ -31,7 +34,8 @@ def _opts(tmp_path, **kw) -> Options:
 def _spec(**kw) -> dict:
     spec = {"incarnation": 0, "coordinator": "", "bind": "", "nproc": 2, "process_ids": [2, 3],
             "attempt": 0, "collective_timeout": 60.0, "group": 1, "groups": 2,
-            "hub": "10.0.0.1:4000", "group_nonce": NONCE, "tidy": False}  # fmt: skip
+            "hub": "10.0.0.1:4000", "group_nonce": NONCE, "tidy": False,
+            "devices_per_proc": 2}  # fmt: skip
     return {**spec, **kw}
 
 
@@ -65,9 +69,12 @@ def test_an_agent_refuses_start_messages_not_for_its_own_groups(tmp_path):
     for why, spec in bad.items():
         with pytest.raises(ValueError, match=why):
             check_group_spec(spec, nnodes=2, node_rank=1)
-    agent = FollowerGroups(_opts(tmp_path, nnodes=2, node_rank=1), None, b"t" * 32)
+    agent = FollowerGroups(_opts(tmp_path, nnodes=2, node_rank=1, devices_per_proc=2), None,
+                           b"t" * 32)  # fmt: skip
     with pytest.raises(ValueError, match="not this host's"):
         agent.start(_spec(process_ids=[0, 1]))  # node 0's processes
+    with pytest.raises(ValueError, match="give every agent the same --devices-per-proc"):
+        agent.start(_spec(devices_per_proc=4))  # another layout than the leader's
     with pytest.raises(ValueError, match="no group"):
         agent.stop(1, 0.0)  # never started here
     assert agent.groups == {}
@@ -113,7 +120,53 @@ def test_the_leader_reads_exits_and_starts_of_the_current_attempt_only():
     assert started["group"] == 1 and started["node"] == 1 and started["pids"] == [41, 42]
     host.node.chan.inbox.put({"group": 1, "attempt": 3, "exit": 3, "code": 0})
     assert grp.poll() == [(3, 0)] and grp.alive() == []
+    host.node.chan.inbox.put({"group": 1, "attempt": 3, "refused": "no\x1b[2J layout"})
+    grp.poll()
+    assert grp.refused == "no\\x1b[2J layout"  # the agent's line, its escapes shown, not run
     grp.stop(0.0)  # stopped on purpose: its later exits are not reported
     assert host.node.chan.sent[-1] == {"cmd": "stop", "grace_s": 0.0, "group": 1}
     host.node.chan.inbox.put(None)  # the agent's channel lost: its host with it
     assert grp.node_lost() and grp.alive() == []
+
+
+def test_an_agent_of_another_layout_is_refused_with_one_line(tmp_path):
+    """Agents given different --devices-per-proc would run groups of different layouts: the
+    follower refuses its group's start and the leader ends the job with that line (exit 2)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    common = ["launch", "--nproc", "1", "--nnodes", "2", "--groups", "2", "--min-groups", "1",
+              "--coordinator", f"127.0.0.1:{port}", "--run-dir", str(run_dir), "--no-spares"]  # fmt: skip
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxpar.cli",
+                *common,
+                "--node-rank",
+                str(i),
+                "--devices-per-proc",
+                str(i + 1),
+                "--",
+                *cmd,
+            ],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        out, _ = agents[0].communicate(timeout=120)
+        assert agents[0].returncode == 2, out
+        assert "node 1 refused group 1" in out and "the same --devices-per-proc" in out, out
+        assert agents[1].wait(timeout=60) == 2
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()

@@ -10,9 +10,8 @@ crosses hosts.
 
 The group key (what a worker proves to the hub) is never sent: every agent derives it from the
 agents' shared token and a nonce the leader makes for the job and sends with each start
-(`group_key`). A host whose
-agent is lost takes its groups with it for good: the others train on while at least
---min-groups remain.
+(`group_key`). A host whose agent is lost takes its groups with it for good: the others train
+on while at least --min-groups remain.
 """
 
 from __future__ import annotations
@@ -101,7 +100,6 @@ class RemoteGroup:
         self.ids: list[int] = []
         self.exits: dict[int, int] = {}
         self.pending: list[tuple[int, int]] = []
-        self.spares: dict = {}  # the agent keeps its own; never a standby on another host
         self.seen: set[str] = set()
         self.stepping = False
         self.t_spawn = 0.0

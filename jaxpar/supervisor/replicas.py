@@ -561,49 +561,40 @@ class ReplicaSupervisor(JobState):
 
     def _start(self, g: int) -> None:
         """Start group `g`: its standby group where one is ready (--standby), else its spares
-        (pre-started processes, imports done), else cold."""
+        (pre-started processes, imports done), else cold. A group on another host is started by
+        that host's agent (spares there, else cold), which picks the group's coordinator; its
+        reply is the `group_started` event."""
+        assert self.hub is not None
         grp = self.groups[g]
         ids = list(range(g * self.per_group, (g + 1) * self.per_group))
+        spec = {"incarnation": self.incarnation, "nproc": self.per_group, "process_ids": ids,
+                "attempt": self.group_restarts, "faults": self.opts.faults,
+                "collective_timeout": self.opts.collective_timeout or 600.0,
+                "run_lock": self.lock.token,
+                # no other group runs: this one may remove unfinished saves (none is in flight)
+                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
         if isinstance(grp, RemoteGroup):
-            self._start_remote(grp, ids)
+            spec.update(coordinator="", bind="", group=g, groups=self.opts.groups,
+                        devices_per_proc=self.opts.devices_per_proc, hub=self.hub.address,
+                        group_nonce=self.nonce)  # fmt: skip
+            self.hub.running(g)
+            grp.t_spawn = time.time()
+            grp.start(spec)
             return
         # the group's own world is on this host: its coordinator on loopback (on one host the
         # job's bind is loopback too)
         bind = self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
         port = free_port(bind)
-        spec = {"incarnation": self.incarnation, "coordinator": join_address("127.0.0.1", port),
-                "bind": join_address(bind, port), "nproc": self.per_group,
-                "process_ids": ids, "attempt": self.group_restarts, "faults": self.opts.faults,
-                "collective_timeout": self.opts.collective_timeout or 600.0,
-                "run_lock": self.lock.token,
-                # no other group runs: this one may remove unfinished saves (none is in flight)
-                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
+        spec.update(coordinator=join_address("127.0.0.1", port), bind=join_address(bind, port))
         path = "spares" if len(grp.spares) >= len(ids) else "cold"
         if grp.standby_ready():  # built for this group's next start: its own world, warmed up
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
-        assert self.hub is not None
         self.hub.running(g)
         grp.t_spawn = time.time()
         grp.start(spec)
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
                    pids=[grp.procs[p].pid for p in ids])  # fmt: skip
-
-    def _start_remote(self, grp: RemoteGroup, ids: list[int]) -> None:
-        """Ask the agent of the group's host to start it (spares there, else cold); its agent
-        picks the group's coordinator, and its reply is the `group_started` event."""
-        assert self.hub is not None
-        spec = {"incarnation": self.incarnation, "coordinator": "", "bind": "",
-                "nproc": self.per_group, "process_ids": ids, "attempt": self.group_restarts,
-                "faults": self.opts.faults,
-                "collective_timeout": self.opts.collective_timeout or 600.0,
-                "run_lock": self.lock.token, "group": grp.group, "groups": self.opts.groups,
-                "devices_per_proc": self.opts.devices_per_proc,
-                "hub": self.hub.address, "group_nonce": self.nonce,
-                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
-        self.hub.running(grp.group)
-        grp.t_spawn = time.time()
-        grp.start(spec)
 
     def _mark_joined(self) -> None:
         """A group the hub has admitted is past its start-up: its spares and standby group may

@@ -17,6 +17,8 @@ Injection points (`at`), in the order they come at step S:
     before_commit    orbax's commit hook for the save of step S: arrays written, not committed
                      (runs on process 0)
     before_snapshot  the local tier's hook: snapshot S written, its commit marker not yet
+    before_give      a replica group's process asked by the group hub for its state at step S
+                     (a group rejoins from it), before it sends any of it
 
 Kinds of one injection point fire in the order of the table.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POINTS = ("before_step", "on_state", "before_commit", "before_snapshot")
+POINTS = ("before_step", "on_state", "before_commit", "before_snapshot", "before_give")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ TABLE: tuple[FaultKind, ...] = (
     FaultKind("killsnap", "before_snapshot", True, None, "killsnap@S[:process=P]",
               "SIGKILL after the local snapshot of step S wrote its data, before its commit "
               "marker (a torn snapshot)"),
+    FaultKind("killgive", "before_give", True, None, "killgive@S[:process=P]",
+              "SIGKILL when first asked for its state at step S or later, before sending it "
+              "(--groups: the donor of a rejoining group lost during the state transfer)"),
 )  # fmt: skip
 
 KINDS: tuple[str, ...] = tuple(k.name for k in TABLE)

@@ -6,7 +6,10 @@ quorum, restarts); a group on another host is driven over that host's control ch
 (`RemoteGroup` on the leader, `FollowerGroups` in the host's agent): start, stop, the
 preemption notice, and the exits of its processes back. A group's own jax.distributed world
 stays on its host (its coordinator on that host's loopback); only the group hub's traffic
-crosses hosts.
+crosses hosts. Hosts may differ in --devices-per-proc and in their command's mesh: groups of
+different layouts average and hand their state over through the hub
+(jaxpar/worker/group_layout.py); a group holding another state (another model or optimizer)
+ends the job with one line.
 
 The group key (what a worker proves to the hub) is never sent: every agent derives it from the
 agents' shared token and a nonce the leader makes for the job and sends with each start
@@ -189,12 +192,6 @@ class FollowerGroups:
         from jaxpar.supervisor.replicas import ReplicaGroup
 
         g = check_group_spec(spec, self.opts.nnodes, self.opts.node_rank)
-        if spec.get("devices_per_proc") != self.opts.devices_per_proc:
-            raise ValueError(
-                f"node {self.opts.node_rank} runs --devices-per-proc {self.opts.devices_per_proc}"
-                f" and the leader {printable(spec.get('devices_per_proc'), 20)}: replica groups "
-                "need one layout; give every agent the same --devices-per-proc"
-            )
         offset = self.opts.node_rank * self.opts.nproc
         if not all(offset <= p < offset + self.opts.nproc for p in spec["process_ids"]):
             raise ValueError(f"spec 'process_ids' are not this host's ({offset}...)")

@@ -42,7 +42,8 @@ from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
 from jaxpar.supervisor.policy import classify_exit, worker_env
 from jaxpar.supervisor.transport import Rendezvous
-from jaxpar.worker import bootstrap, group_wire
+from jaxpar.worker import bootstrap, group_layout, group_wire
+from jaxpar.worker.group_layout import Layout
 from jaxpar.worker.group_wire import Wire, WireError
 
 GROUP_FAILURE = SupervisorEvent.GROUP_FAILURE
@@ -93,11 +94,17 @@ class Hub:
         self.ready: dict[int, dict[int, int]] = {}  # group -> rank -> step it is ready at
         self.alive: set[int] = set()  # groups the supervisor runs now
         self.joined: dict[int, int] = {}  # group -> first step it takes part in
-        self.pending: dict[int, dict[tuple[int, int], tuple[dict, list]]] = {}
+        # step -> (group, rank) -> (the layout of its shards, the shards)
+        self.pending: dict[int, dict[tuple[int, int], tuple[Layout, list]]] = {}
+        # (group, rank) -> the shards of the state it holds (from its ready): what it is sent
+        self.layouts: dict[tuple[int, int], Layout] = {}
+        self.model: tuple | None = None  # the state's leaves (shapes, dtypes): every group's
+        self.fatal: str | None = None  # a group that can never take part: the job ends
         self.first_seen: dict[int, float] = {}  # step -> when its first shards arrived
         # DiLoCo: a joining group's processes that take a step's mean without giving one
-        self.listeners: dict[int, set[tuple[int, int]]] = {}
-        self.transfers: dict[int, dict] = {}  # joining group -> {"donor", "step", "sent": set}
+        self.listeners: dict[int, dict[tuple[int, int], Layout]] = {}
+        # joining group -> {"donor", "step", "asked", "got": rank -> the donor's shards, "sent"}
+        self.transfers: dict[int, dict] = {}
         self.started = False  # a step has been released
         self.next_step: int | None = None  # the first step not released yet
         self.void: list[int] = []  # joining groups whose donor was lost: to be restarted
@@ -172,12 +179,14 @@ class Hub:
         g, k = who
         kind = header.get("kind")
         if kind == "ready":
+            self.layouts[who] = group_layout.parse(header, arrays)
             self.ready.setdefault(g, {})[k] = int(header.get("step", -1))
             self._admit(g)
         elif kind == "average":
             step = int(header.get("step", -1))
+            layout = group_layout.parse(header, arrays)
             if g in self.joined and step >= self.joined[g]:
-                self.pending.setdefault(step, {})[who] = (header, arrays)
+                self.pending.setdefault(step, {})[who] = (layout, arrays)
                 self.first_seen.setdefault(step, time.time())
                 self._ask_state(who, step)
                 self._release(step)
@@ -187,7 +196,7 @@ class Hub:
             step = int(header.get("step", -1))
             if self.joined.get(g) != step:
                 raise WireError(f"group {g} listens to step {step}, not its first")
-            self.listeners.setdefault(step, set()).add(who)
+            self.listeners.setdefault(step, {})[who] = group_layout.parse(header, arrays)
             if all((g, r) in self.listeners[step] for r in range(self.per_group)):
                 self.joined[g] = step + 1
                 self._release(step)
@@ -206,6 +215,8 @@ class Hub:
             self._drop(g, f"the processes of group {g} are at different steps {sorted(steps)}")
             return
         (step,) = steps
+        if not self._same_model(g):
+            return
         if not any(g2 in self.alive for g2 in self.joined):
             # every group was lost: start again from the checkpoint they read; what the lost
             # groups left of their steps (their times above all) must not count against these
@@ -232,12 +243,39 @@ class Hub:
             self._drop(g, f"no live group to give group {g} its state")
             self.void.append(g)
             return
-        self.transfers[g] = {"donor": q[0], "step": None, "asked": set(), "sent": set(),
-                             "t": time.time()}  # fmt: skip
+        self.transfers[g] = {"donor": q[0], "step": None, "asked": set(), "got": {},
+                             "sent": set(), "t": time.time(), "resharded": False}  # fmt: skip
         for s in sorted(self.pending):
             for k in range(self.per_group):
                 if (q[0], k) in self.pending[s]:
                     self._ask_state((q[0], k), s)
+
+    def _same_model(self, g: int) -> bool:
+        """Whether group `g`'s processes hold the job's state (its leaves' shapes and dtypes, in
+        any layout); if not, the group can never take part: the job ends with `fatal`'s line."""
+        models = [self.layouts[(g, k)].model for k in range(self.per_group)]
+        if self.model is None:
+            self.model = models[0]
+        for model in models:
+            if model == self.model:
+                continue
+            shapes, dtypes = self.model
+            if len(model[0]) != len(shapes):
+                leaf = None
+            else:
+                pairs = zip(zip(*model, strict=True), zip(shapes, dtypes, strict=True), strict=True)
+                leaf = next(i for i, (a, b) in enumerate(pairs) if a != b)
+            if leaf is None:
+                what = f"{len(model[0])} leaves against {len(shapes)}"
+            else:
+                what = (f"leaf {leaf} is {model[1][leaf]}{list(model[0][leaf])} against "
+                        f"{dtypes[leaf]}{list(shapes[leaf])}")  # fmt: skip
+            self.fatal = (f"group {g} holds another state than the job's ({what}): every group "
+                          f"must train the same model and optimizer; give every host the same "
+                          f"--recipe and --set values for the model and the optimizer")  # fmt: skip
+            self._drop(g, self.fatal)
+            return False
+        return True
 
     def _ask_state(self, who: tuple[int, int], step: int) -> None:
         """Ask donor process `who`, waiting for the average of `step`, for its state."""
@@ -266,26 +304,26 @@ class Hub:
         got = self.pending.get(step, {})
         if not all((g, k) in got for g in q for k in range(self.per_group)):
             return
-        import numpy as np  # only here: the supervisor starts without it
-
-        for k in range(self.per_group):
-            parts = [got[(g, k)][1] for g in q]
-            counts = [got[(g, k)][0].get("counts") for g in q]
-            if any(len(p) != len(parts[0]) for p in parts) or any(c != counts[0] for c in counts):
-                self._drop(q[-1], f"group {q[-1]} sent arrays of another layout")
+        parts = {g: [got[(g, k)] for k in range(self.per_group)] for g in q}
+        model = parts[q[0]][0][0].model
+        for g in q:  # each group's processes tile every leaf once, in any layout
+            lays = [lay for lay, _ in parts[g]]
+            if any(lay.model != model for lay in lays) or not group_layout.tiles(lays):
+                self._drop(g if g != q[0] else q[-1], f"group {g} sent shards that do not make "
+                           f"up the leaves of group {q[0]}'s")  # fmt: skip
                 return
-            mean = []
-            for arrays in zip(*parts, strict=True):
-                if any(a.shape != arrays[0].shape or a.dtype != arrays[0].dtype for a in arrays):
-                    self._drop(q[-1], f"group {q[-1]} sent arrays of another shape")
-                    return
-                total = np.sum(np.stack(arrays), axis=0, dtype=np.float64) / len(arrays)
-                mean.append(total.astype(arrays[0].dtype))
-            for g in q:
-                self._send((g, k), {"kind": "averaged", "step": step, "quorum": q}, mean)
-            for j, r in self.listeners.get(step, ()):
-                if r == k:
-                    self._send((j, r), {"kind": "averaged", "step": step, "quorum": q}, mean)
+        listeners = self.listeners.get(step, {})
+        for who, lay in list(listeners.items()):
+            if lay.model != model:
+                self._drop(who[0], f"group {who[0]} wants shards of another tree")
+                return
+        means = group_layout.mean([p for g in q for p in parts[g]], len(q))
+        head = {"kind": "averaged", "step": step, "quorum": q}
+        for g in q:
+            for k in range(self.per_group):
+                self._send((g, k), head, group_layout.cut(means, got[(g, k)][0]))
+        for who, lay in listeners.items():
+            self._send(who, head, group_layout.cut(means, lay))
         del self.pending[step]
         self.listeners.pop(step, None)
         self.first_seen.pop(step, None)
@@ -305,17 +343,46 @@ class Hub:
 
     def _forward_state(self, who: tuple[int, int], header: dict, arrays: list) -> None:
         g, k = who
+        layout = group_layout.parse(header, arrays)
         for j, t in list(self.transfers.items()):
-            if t["donor"] != g or k in t["sent"] or header.get("step") != t["step"]:
+            if t["donor"] != g or k in t["got"] or header.get("step") != t["step"]:
                 continue
-            head = {"kind": "state", "step": t["step"], "counts": header.get("counts"),
-                    "checksum": header.get("checksum"), "quorum": self._quorum(t["step"])}  # fmt: skip
+            t["got"][k] = (layout, arrays, header.get("checksum"))
+            self._pass_state(j, t)
+
+    def _pass_state(self, j: int, t: dict) -> None:
+        """Send joining group `j`'s processes the donor's state: process k's as the donor's
+        process k sent it when it needs exactly those shards (the layouts match), else resharded
+        here once every donor process's shards have come (their checksums checked here)."""
+        for k in range(self.per_group):
+            want, got = self.layouts.get((j, k)), t["got"].get(k)
+            if k in t["sent"] or want is None:
+                continue
+            if got is not None and got[0].pieces == want.need:
+                arrays, check = got[1], got[2]
+            elif len(t["got"]) == self.per_group:
+                if "leaves" not in t:
+                    parts = list(t["got"].values())
+                    if any(group_wire.checksum(a) != c for _, a, c in parts):
+                        raise WireError(f"group {t['donor']}'s state does not match its checksum")
+                    lays = [lay for lay, _, _ in parts]
+                    if any(lay.model != want.model for lay in lays) or not group_layout.covers(
+                        lays
+                    ):
+                        raise WireError(f"group {t['donor']}'s state does not make up the job's")
+                    t["leaves"] = group_layout.assemble([(lay, a) for lay, a, _ in parts])
+                arrays = group_layout.cut(t["leaves"], want)
+                check, t["resharded"] = group_wire.checksum(arrays), True
+            else:
+                continue
+            head = {"kind": "state", "step": t["step"], "checksum": check,
+                    "quorum": self._quorum(t["step"])}  # fmt: skip
             self._send((j, k), head, arrays)
             t["sent"].add(k)
-            if len(t["sent"]) == self.per_group:
-                del self.transfers[j]
-                self.event(GROUP_JOINED, group=j, step=t["step"], transfer=True, donor=g,
-                           seconds=round(time.time() - t["t"], 3))  # fmt: skip
+        if len(t["sent"]) == self.per_group:
+            del self.transfers[j]
+            self.event(GROUP_JOINED, group=j, step=t["step"], transfer=True, donor=t["donor"],
+                       resharded=t["resharded"], seconds=round(time.time() - t["t"], 3))  # fmt: skip
 
     def _drop(self, g: int, why: str, record: bool = True) -> None:
         """Group `g` is out: its processes are told to stop, the pending steps are released
@@ -325,6 +392,8 @@ class Hub:
         self.joined.pop(g, None)
         self.ready.pop(g, None)
         self.transfers.pop(g, None)
+        for k in range(self.per_group):
+            self.layouts.pop((g, k), None)
         for k in range(self.per_group):
             wire = self.wires.pop((g, k), None)
             if wire is not None:
@@ -489,6 +558,7 @@ class ReplicaSupervisor(JobState):
         self.group_restarts = 0
         self.tail: EventTail | None = None  # the workers' events: checkpoint saves
         self.saving: tuple[int, float] | None = None  # an open save: (incarnation, since)
+        self._said: str | None = None  # the hub's fatal line, once said
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_request = signum
@@ -575,8 +645,7 @@ class ReplicaSupervisor(JobState):
                 "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
         if isinstance(grp, RemoteGroup):
             spec.update(coordinator="", bind="", group=g, groups=self.opts.groups,
-                        devices_per_proc=self.opts.devices_per_proc, hub=self.hub.address,
-                        group_nonce=self.nonce)  # fmt: skip
+                        hub=self.hub.address, group_nonce=self.nonce)  # fmt: skip
             self.hub.running(g)
             grp.t_spawn = time.time()
             grp.start(spec)
@@ -617,7 +686,7 @@ class ReplicaSupervisor(JobState):
                 return "interrupted", 130
             failed: dict[int, str] = {}
             self._mark_joined()
-            out = self._hosts_lost()
+            out = self._hosts_lost() or self._refused()
             if out is not None:
                 return out
             for g, grp in enumerate(self.groups):
@@ -626,6 +695,12 @@ class ReplicaSupervisor(JobState):
                 for pid, rc in grp.poll():
                     if rc == 0:
                         continue
+                    if rc == bootstrap.EXIT_USAGE:  # the same error in every restart
+                        return self._give_up(
+                            f"process {pid} of group {g} exited with code 2 (a usage or "
+                            f"configuration error, restarting will not help)",
+                            f"Checkpoints in {self.run_dir}/checkpoints are intact.",
+                        )  # fmt: skip
                     failed.setdefault(g, f"process {pid} exited: {classify_exit(rc)} (code {rc})")
                 if g not in failed and g not in self.done and grp.finished():
                     self.done.add(g)
@@ -650,6 +725,8 @@ class ReplicaSupervisor(JobState):
                     f"no replica group is training ({len(failed)} failed now): they restart from "
                     f"the newest checkpoint in {self.run_dir}/checkpoints"
                 )
+            if self._refused() is not None:  # not restarted: the job ends
+                return self._refused()
             for g, why in sorted(failed.items()):
                 if g in self.gone:
                     continue
@@ -690,13 +767,29 @@ class ReplicaSupervisor(JobState):
                 f"groups keep training")  # fmt: skip
         left = len(self.groups) - len(self.gone)
         if self.gone and left < self.opts.min_groups:
-            reason = (f"{left} replica group(s) left after a host was lost, fewer than "
-                      f"--min-groups {self.opts.min_groups}")  # fmt: skip
-            self.event(SupervisorEvent.GAVE_UP, reason=reason)
-            say(f"giving up: {reason}. The run resumes from the newest checkpoint in "
-                f"{self.run_dir}/checkpoints (the same command lines, or --min-groups {left}).")  # fmt: skip
-            return "gave_up", 1
+            return self._give_up(
+                f"{left} replica group(s) left after a host was lost, fewer than --min-groups "
+                f"{self.opts.min_groups}",
+                f"The run resumes from the newest checkpoint in {self.run_dir}/checkpoints (the "
+                f"same command lines, or --min-groups {left}).",
+            )  # fmt: skip
         return None
+
+    def _give_up(self, reason: str, then: str) -> tuple[str, int]:
+        self.event(SupervisorEvent.GAVE_UP, reason=reason)
+        say(f"giving up: {reason}. {then}")
+        return "gave_up", 1
+
+    def _refused(self) -> tuple[str, int] | None:
+        """A group the hub found can never take part (another model): the job ends, exit 2."""
+        assert self.hub is not None
+        if self.hub.fatal is None:
+            return None
+        if self.hub.fatal is not self._said:
+            self._said = self.hub.fatal
+            self.event(SupervisorEvent.GAVE_UP, reason=self.hub.fatal)
+            say(f"error: {self.hub.fatal}")
+        return "failed", 2
 
     def _saving(self, now: float, startup: float) -> bool:
         """A checkpoint save (the lowest group's) is open and within the start-up timeout: the

@@ -190,6 +190,11 @@ class Faults:
         for kind in fault_kinds.at("before_commit"):
             IMPLEMENTATIONS[kind](self, step)
 
+    def before_give(self, step: int) -> None:
+        """A replica group's process asked for its state at `step` (0-based), before sending."""
+        for kind in fault_kinds.at("before_give"):
+            IMPLEMENTATIONS[kind](self, step + 1)
+
     def name_in(self, error: BaseException) -> None:
         """Name the injected fault(s) of this process that caused `error` in its message
         (NonFiniteLoss after nan@S, ...: fault_kinds' `raises`)."""
@@ -287,10 +292,15 @@ def _killsnap(f: Faults, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _killgive(f: Faults, at: int) -> None:
+    if f._take("killgive", at, since=True):  # the first time asked at or after S
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
     "kill": _kill, "hang": _hang, "sigterm": _sigterm, "slow": _slow, "losthost": _losthost,
     "corrupt": _corrupt, "diverge": _diverge, "nan": _nan, "killsave": _killsave,
-    "killsnap": _killsnap,
+    "killsnap": _killsnap, "killgive": _killgive,
 }  # fmt: skip
 
 

@@ -1,24 +1,26 @@
 """A worker of one replica group (`jaxpar launch --groups R`): its share of the global batch,
-and each step's gradients averaged with process k of the other groups through the leader's
-group hub (jaxpar/supervisor/replicas.py) over the authenticated wire of
-jaxpar/worker/group_wire.py.
+and each step's gradients averaged with the other groups through the leader's group hub
+(jaxpar/supervisor/replicas.py) over the authenticated wire of jaxpar/worker/group_wire.py.
 
 Each group is its own jax.distributed world with its own mesh; across groups the training is
 data parallel. A step runs in two compiled halves around the host average:
 
     loss, aux, grads, extra = gradients(state, batch)    # inside the group, any layout
-    loss, aux, grads = hub.average(step, ...)             # this process's shards, quorum's mean
+    loss, aux, grads = hub.average(step, ...)             # the quorum's mean, this process's shards
     state, metrics = update(state, loss, aux, grads, extra)   # the optimizer step, in the group
 
-Process k of every group holds the same shards (the groups run one command, so one layout),
-so the average is shard by shard on host memory. The hub releases a step's average to every
-process of the quorum at once, so all processes of a group apply the same quorum. A group that
-(re)starts while the others train receives their state, shard to shard, checksummed.
+Each process sends the shards it owns with their global indices (jaxpar/worker/group_layout.py)
+and gets back the mean of every shard it holds, so groups of different layouts (meshes, devices
+per process) average together. The hub releases a step's average to every process of the quorum
+at once, so all processes of a group apply the same quorum. A group that (re)starts while the
+others train receives their state, checksummed: shard to shard when the layouts match,
+resharded by the hub otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import time
@@ -28,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import TrainConfig
-from jaxpar.worker import group_wire
+from jaxpar.worker import group_layout, group_wire
 from jaxpar.worker.group_wire import WireError
 
 
@@ -79,48 +81,77 @@ def run_process_index(leads: bool = False) -> int:
     return int(value) if value and not leads else jax.process_index()
 
 
-# ---- a leaf's shards on this process -------------------------------------------------------------
+# ---- a tree's pieces on this process -------------------------------------------------------------
 
 
-def local_shards(x: jax.Array) -> list[np.ndarray]:
-    """This process's shards of `x` (a copy per addressable device), in device-id order."""
-    shards = sorted(x.addressable_shards, key=lambda sh: sh.device.id)
-    return [np.asarray(sh.data) for sh in shards]
+def _key(index: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shard's index (slices) as the wire's [start0, stop0, ...]."""
+    out: list[int] = []
+    for d, n in enumerate(shape):
+        sl = index[d] if d < len(index) else slice(None)
+        start, stop, _ = sl.indices(n)
+        out += [start, stop]
+    return tuple(out)
 
 
-def from_shards(like: jax.Array, pieces: list[np.ndarray]) -> jax.Array:
-    """An array with `like`'s shape and sharding made of this process's `pieces` (local_shards)."""
-    shards = sorted(like.addressable_shards, key=lambda sh: sh.device.id)
-    if len(shards) != len(pieces):
-        raise WireError(f"{len(pieces)} shards for an array with {len(shards)} here")
-    arrays = []
-    for sh, a in zip(shards, pieces, strict=True):
-        if tuple(a.shape) != tuple(sh.data.shape) or a.dtype != sh.data.dtype:
-            raise WireError(
-                f"a shard of shape {a.shape} {a.dtype} for one of {sh.data.shape} {sh.data.dtype}"
-            )
-        arrays.append(jax.device_put(a, sh.device))
-    return jax.make_array_from_single_device_arrays(like.shape, like.sharding, arrays)
+@functools.lru_cache(maxsize=8192)
+def _leaf_layout(sharding, shape: tuple[int, ...]) -> tuple[list, list, dict]:
+    """(the distinct indices of this process's shards in device-id order, those it owns (no
+    device of lower id in the group holds the same index), device id -> index)."""
+    owner: dict[tuple, int] = {}
+    here: dict[int, tuple] = {}
+    me = jax.process_index()
+    for device, index in sharding.devices_indices_map(shape).items():
+        key = _key(index, shape)
+        owner[key] = min(owner.get(key, device.id), device.id)
+        if device.process_index == me:
+            here[device.id] = key
+    have = list(dict.fromkeys(here[d] for d in sorted(here)))
+    return have, [k for k in have if owner[k] in here], here
 
 
-def tree_to_wire(tree: Any) -> tuple[list[np.ndarray], list[int]]:
-    """All local shards of `tree`'s leaves, flat, and how many belong to each leaf."""
-    flat, counts = [], []
+def tree_pieces(tree: Any, send: str) -> tuple[dict, list[np.ndarray]]:
+    """`tree`'s layout header fields and this process's pieces of it to `send`: "owned" (a
+    step's average: each group's processes tile every leaf once), "held" (every distinct shard
+    it holds: a state transfer) or "none". What it wants back ("need") is every distinct shard
+    it holds."""
+    shapes, dtypes, pieces, need, arrays = [], [], [], [], []
     for leaf in jax.tree.leaves(tree):
-        pieces = local_shards(leaf)
-        flat += pieces
-        counts.append(len(pieces))
-    return flat, counts
+        have, mine, here = _leaf_layout(leaf.sharding, tuple(leaf.shape))
+        chosen = {"owned": mine, "held": have, "none": []}[send]
+        if chosen:
+            data: dict[tuple, Any] = {}
+            for sh in leaf.addressable_shards:
+                data.setdefault(here[sh.device.id], sh.data)
+            arrays += [group_wire.contiguous(data[k]) for k in chosen]
+        shapes.append(tuple(leaf.shape))
+        dtypes.append(np.dtype(leaf.dtype).name)
+        pieces.append(chosen)
+        need.append(have)
+    return group_layout.fields(shapes, dtypes, pieces, need), arrays
 
 
-def tree_from_wire(like: Any, flat: list[np.ndarray], counts: list[int]) -> Any:
+def tree_from_pieces(like: Any, arrays: list[np.ndarray]) -> Any:
+    """A tree with `like`'s shapes and shardings made of `arrays`: the distinct shards this
+    process holds, leaf by leaf in device-id order (what its messages name as "need")."""
     leaves, treedef = jax.tree.flatten(like)
-    if len(counts) != len(leaves) or sum(counts) != len(flat):
-        raise WireError("the arrays received do not match this state's structure")
     out, at = [], 0
-    for leaf, n in zip(leaves, counts, strict=True):
-        out.append(from_shards(leaf, flat[at : at + n]))
-        at += n
+    for leaf in leaves:
+        have, _, here = _leaf_layout(leaf.sharding, tuple(leaf.shape))
+        mine = arrays[at : at + len(have)]
+        if len(mine) != len(have):
+            raise WireError("fewer arrays received than this state's shards")
+        at += len(have)
+        shards = []
+        for sh in sorted(leaf.addressable_shards, key=lambda s: s.device.id):
+            a = mine[have.index(here[sh.device.id])]
+            if tuple(a.shape) != tuple(sh.data.shape) or a.dtype != sh.data.dtype:
+                raise WireError(f"a shard of shape {a.shape} {a.dtype} for one of "
+                                f"{sh.data.shape} {sh.data.dtype}")  # fmt: skip
+            shards.append(jax.device_put(a, sh.device))
+        out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards))
+    if at != len(arrays):
+        raise WireError("more arrays received than this state's shards")
     return jax.tree.unflatten(treedef, out)
 
 
@@ -173,10 +204,10 @@ class GroupLink:
     """This process's connection to the group hub, and the group's step programs
     (`compile_halves`)."""
 
-    def __init__(self, programs: tuple, sync_every: int = 0, run=None):
+    def __init__(self, programs: tuple, sync_every: int = 0, run=None, faults=None):
         """`programs` from compile_halves; `sync_every`: DiLoCo's H (0: average every step);
         `run`: the RunDir whose process index follows the lead (the quorum's lowest group's
-        process 0 writes the records)."""
+        process 0 writes the records); `faults`: this process's injected faults (`killgive`)."""
         env = group_wire.group_env()
         assert env is not None
         self.group, self.groups = env["group"], env["groups"]
@@ -188,7 +219,7 @@ class GroupLink:
         self.wire = group_wire.client_handshake(sock, env["key"], hello)
         self.quorum: list[int] = []
         self.leads = self.group == 0  # this group is the quorum's lowest: it writes the records
-        self.sync_every, self.run = sync_every, run
+        self.sync_every, self.run, self.faults = sync_every, run, faults
         self.diloco = sync_every > 0
         self.inner = programs[0] if self.diloco else None  # DiLoCo: the group's own inner step
         self._first, self._second = programs if not self.diloco else programs[1]
@@ -197,7 +228,8 @@ class GroupLink:
         """Tell the hub this group is ready at `state`'s step; returns the state to train from:
         `state` itself at the job's start, else a live group's, received shard to shard (with
         DiLoCo: the state before an outer step, which this group then takes with the others)."""
-        self.wire.send({"kind": "ready", "step": int(state["step"])})
+        fields, _ = tree_pieces(state, "none")  # the shards this process wants of a peer's state
+        self.wire.send({"kind": "ready", "step": int(state["step"]), **fields})
         header, arrays = self._recv()
         self.quorum = [int(g) for g in header.get("quorum", [])]
         self.leads = bool(self.quorum) and self.group == min(self.quorum)
@@ -207,10 +239,11 @@ class GroupLink:
             raise WireError(f"expected the group's state, got {str(header.get('kind'))[:40]}")
         if group_wire.checksum(arrays) != header.get("checksum"):
             raise WireError("the state received does not match its checksum")
-        state = tree_from_wire(state, arrays, header.get("counts", []))
+        state = tree_from_pieces(state, arrays)
         if self.diloco:  # the outer step the donor waits in: its mean, without one of ours
             mean = self._first(state)
-            self.wire.send({"kind": "listen", "step": int(header["step"])})
+            fields, _ = tree_pieces(mean, "none")
+            self.wire.send({"kind": "listen", "step": int(header["step"]), **fields})
             return self._second(state, self._averaged(mean, int(header["step"]), state)[0])
         return state
 
@@ -222,21 +255,22 @@ class GroupLink:
 
     def _average(self, tree, step: int, state: dict):
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned."""
-        flat, counts = tree_to_wire(tree)
-        self.wire.send({"kind": "average", "step": step, "counts": counts}, flat)
+        fields, arrays = tree_pieces(tree, "owned")
+        self.wire.send({"kind": "average", "step": step, **fields}, arrays)
         return self._averaged(tree, step, state)
 
     def _averaged(self, like, step: int, state: dict):
         header, arrays = self._recv()
         while header.get("kind") == "give_state":  # a restarted group joins at this step
+            if self.faults is not None:
+                self.faults.before_give(step)
             self.send_state(state, step)
             header, arrays = self._recv()
         if header.get("kind") != "averaged" or header.get("step") != step:
             raise WireError(f"expected the average of step {step}, got {str(header)[:80]}")
         self.quorum = [int(g) for g in header.get("quorum", [])]
         self.leads = bool(self.quorum) and self.group == min(self.quorum)
-        leaves = jax.tree.leaves(like)
-        return tree_from_wire(like, arrays, [len(x.addressable_shards) for x in leaves]), header
+        return tree_from_pieces(like, arrays), header
 
     def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         """The group's train step (state, batch) -> (state, metrics), as `Job.train_step`: one
@@ -267,10 +301,9 @@ class GroupLink:
     def send_state(self, state: dict, step: int) -> None:
         """Give a joining group this process's shards of `state` (through the hub): the state
         waiting for the average of `step`."""
-        flat, counts = tree_to_wire(state)
-        header = {"kind": "state", "step": step, "counts": counts,
-                  "checksum": group_wire.checksum(flat)}  # fmt: skip
-        self.wire.send(header, flat)
+        fields, arrays = tree_pieces(state, "held")
+        header = {"kind": "state", "step": step, **fields, "checksum": group_wire.checksum(arrays)}
+        self.wire.send(header, arrays)
 
     def close(self, complete: bool) -> None:
         if complete:

@@ -507,7 +507,7 @@ def _run_locked(
     try:
         state, compiled = restore_and_compile(s, tiers, pool, early)
         if groups.active():  # the other groups' live state, when they are training already
-            s.link = groups.GroupLink(compiled, s.program.sync_every, s.run)
+            s.link = groups.GroupLink(compiled, s.program.sync_every, s.run, inject)
             state = s.link.join(state)
         arm_faults(inject, tiers)
         s.tb = TensorBoardWriter(s.run) if cfg.log.tensorboard else None

@@ -182,3 +182,34 @@ def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
     assert restored and {e["step"] for e in restored} == {newest}, restored
     final = _lines(run.run_dir)[-1]
     assert final["step"] == 10 and final["quorum"] == [0, 1]
+
+
+def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_a_third(tmp_path):
+    """Three groups of one process: group 2 is killed; as it rejoins, its donor (group 0, the
+    quorum's lowest) is killed when asked for its state (killgive), before sending any. The
+    transfer is void: group 2 is restarted again, group 0 too; group 0 rejoins from group 1,
+    which trains throughout (started once, no step rewound), and group 2 from the quorum's
+    lowest group then."""
+    steps = 16
+    nproc = ["--nproc", "3", "--devices-per-proc", "1", "--groups", "3", "--min-groups", "1",
+             "--max-restarts", "6"]  # fmt: skip
+    faults = ["kill@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=0.5"]
+    run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
+                 train_cmd(steps, 4, "--set", "data.global_batch=24"))  # fmt: skip
+    try:
+        assert run.wait(WAIT) == 0, run.output()
+    finally:
+        run.close()
+    failures = run.events("group_failure")
+    void = [e for e in failures if "lost during the state transfer" in e["why"]]
+    assert [e["group"] for e in void] == [2], failures
+    assert sorted(e["group"] for e in run.events("group_restart")) == [0, 2, 2], failures
+    started = [e["group"] for e in run.events("group_started")]
+    assert started.count(1) == 1 and started.count(0) == 2 and started.count(2) == 3, started
+    joined = [e for e in run.events("group_joined") if e["transfer"]]
+    # group 0 from group 1; group 2 from the quorum's lowest then: 1, or 0 once it is back
+    assert sorted(e["group"] for e in joined) == [0, 2], joined
+    assert [e["donor"] for e in joined if e["group"] == 0] == [1], joined
+    lines = _lines(run.run_dir)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))  # no step rewound
+    assert lines[-1]["quorum"] == [0, 1, 2] and any(m["quorum"] == [1] for m in lines), lines

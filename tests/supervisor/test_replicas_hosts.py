@@ -1,6 +1,7 @@
 """Replica groups on two `jaxpar launch` agents of this machine (`--nnodes 2 --groups 2`): each
-host runs one group, the leader's supervisor decides for both. Group 1's process (on node 1)
-killed: only group 1 restarts, on node 1, through that agent, and rejoins from group 0's state;
+host runs one group, the leader's supervisor decides for both, and the groups' layouts differ
+(node 0's mesh is data=2, node 1's tensor=2). Group 1's process (on node 1) killed: only group 1
+restarts, on node 1, through that agent, and rejoins from group 0's state, resharded;
 then node 1 is lost (its agent and workers killed at once): group 0 trains on alone
 (--min-groups 1) to the last step, group 0's process started once throughout.
 
@@ -56,8 +57,12 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
     run_dir = tmp_path / "run"
     leader = Launch(run_dir, [*common, "--node-rank", "0", "--min-groups", "1", *faults], cmd,
                     name="node0")  # fmt: skip
-    follower = Launch(run_dir, [*common, "--node-rank", "1", "--min-groups", "1"], cmd,
-                      name="node1")  # fmt: skip
+    follower = Launch(
+        run_dir,
+        [*common, "--node-rank", "1", "--min-groups", "1"],
+        train_cmd(STEPS, 4, "--mesh", "tensor=2"),
+        name="node1",
+    )  # another layout
     try:
         # group 1 killed on node 1, restarted there, back in the quorum
         _until(lambda: any(m.get("quorum") == [0, 1] for m in _lines(run_dir)[KILL_AT:]),
@@ -78,7 +83,7 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
     (restart,) = leader.events("group_restart")
     assert restart["group"] == 1
     (joined,) = [e for e in leader.events("group_joined") if e["transfer"]]
-    assert joined["group"] == 1 and joined["donor"] == 0
+    assert joined["group"] == 1 and joined["donor"] == 0 and joined["resharded"] is True
     gone = [e for e in leader.events("group_failure") if e.get("permanent")]
     assert [e["group"] for e in gone] == [1] and "node 1" in gone[0]["why"], gone
     # group 0 was started once and trained every step; group 1 never again after its host

@@ -18,7 +18,7 @@ from jaxpar.rundir.runlog import append_line
 from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options
 from jaxpar.supervisor.replicas import Hub, ReplicaGroup, ReplicaSupervisor
-from jaxpar.worker import group_wire
+from jaxpar.worker import group_layout, group_wire
 from jaxpar.worker.group_wire import Wire, WireError
 
 KEY = b"k" * 32
@@ -49,15 +49,31 @@ def _until(ok, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _average(wire: Wire, step: int, *arrays) -> None:
-    wire.send({"kind": "average", "step": step, "counts": [len(arrays)]}, list(arrays))
+def _average(wire: Wire, step: int, *arrays, owns: bool = True) -> None:
+    """`arrays` as whole leaves: sent when this process `owns` them (its group's process 0 does
+    where a group has several), and their mean wanted back."""
+    fields = group_layout.whole(list(arrays), send=owns)
+    wire.send({"kind": "average", "step": step, **fields}, list(arrays) if owns else [])
+
+
+# the state every test's groups hold: its layout in a ready, a donor's in a state message
+STATE = [np.zeros(2, np.float32), np.zeros((), np.int32)]
+
+
+def _ready(step: int) -> dict:
+    return {"kind": "ready", "step": step, **group_layout.whole(STATE, send=False)}
+
+
+def _state(wire: Wire, step: int, state: list) -> None:
+    wire.send({"kind": "state", "step": step, **group_layout.whole(state),
+               "checksum": group_wire.checksum(state)}, state)  # fmt: skip
 
 
 def _start_two(hub: Hub) -> tuple[Wire, Wire]:
     """Groups 0 and 1 (one process each) ready at step 0 and started."""
     w0, w1 = _connect(hub, 0), _connect(hub, 1)
     for w in (w0, w1):
-        w.send({"kind": "ready", "step": 0})
+        w.send(_ready(0))
         assert w.recv()[0]["kind"] == "start"
     return w0, w1
 
@@ -103,7 +119,7 @@ def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
     try:
         w0, w1 = _connect(hub, 0), _connect(hub, 1)
         for w in (w0, w1):
-            w.send({"kind": "ready", "step": 0})
+            w.send(_ready(0))
         assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
         _average(w0, 0, np.array([1.0, 2.0], np.float32))
         _average(w1, 0, np.array([3.0, 6.0], np.float32))
@@ -122,13 +138,12 @@ def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
         hub.running(0)
         _average(w1, 2, np.array([7.0, 7.0], np.float32))
         w0 = _connect(hub, 0)
-        w0.send({"kind": "ready", "step": 0})
+        w0.send(_ready(0))
         # ... group 1 is asked for its state at step 2, which the hub forwards to group 0
         ask, _ = w1.recv()
         assert ask == {"kind": "give_state", "step": 2, "arrays": []}
         state = [np.array([9.0, 8.0], np.float32), np.array(2, np.int32)]
-        w1.send({"kind": "state", "step": 2, "counts": [2],
-                 "checksum": group_wire.checksum(state)}, state)  # fmt: skip
+        _state(w1, 2, state)
         header, got = w0.recv()
         assert header["kind"] == "state" and header["step"] == 2
         assert group_wire.checksum(got) == header["checksum"] == group_wire.checksum(state)
@@ -155,21 +170,21 @@ def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
     try:
         w1 = _connect(hub, 1)
         hub.alive.discard(0)  # group 0 is restarting: group 1 trains alone
-        w1.send({"kind": "ready", "step": 0})
+        w1.send(_ready(0))
         assert w1.recv()[0]["kind"] == "start"
         _average(w1, 3, np.array([2.0], np.float32))
         assert w1.recv()[0]["quorum"] == [1]
         hub.running(0)
         w0 = _connect(hub, 0)
-        w0.send({"kind": "ready", "step": 0})
+        w0.send(_ready(0))
         _until(lambda: 0 in hub.transfers)  # group 0 waits for a state before step 7 is sent
         _average(w1, 7, np.array([4.0], np.float32))
         assert w1.recv()[0] == {"kind": "give_state", "step": 7, "arrays": []}
-        state = [np.array([1.0], np.float32)]
-        w1.send({"kind": "state", "step": 7, "counts": [1],
-                 "checksum": group_wire.checksum(state)}, state)  # fmt: skip
+        state = [np.array([1.0, 1.0], np.float32), np.array(7, np.int32)]
+        _state(w1, 7, state)
         assert w0.recv()[0]["step"] == 7
-        w0.send({"kind": "listen", "step": 7})
+        mean = [np.zeros(1, np.float32)]
+        w0.send({"kind": "listen", "step": 7, **group_layout.whole(mean, send=False)})
         for w in (w0, w1):
             header, (mean,) = w.recv()
             assert header["quorum"] == [1] and mean.tolist() == [4.0]
@@ -211,13 +226,13 @@ def test_hub_drops_every_group_when_the_whole_quorum_hangs_and_restarts_them_fro
     try:
         wires = {(g, k): _connect(hub, g, k) for g in range(2) for k in range(2)}
         for w in wires.values():
-            w.send({"kind": "ready", "step": 4})
+            w.send(_ready(4))
         assert all(w.recv()[0]["kind"] == "start" for w in wires.values())
         assert hub.drop_hung(60.0, now=time.time() + 1000) == {}  # the first step: start-up
         for step in (4, 5):
             before = time.time()
-            for (g, _k), w in wires.items():
-                _average(w, step, np.array([float(g)], np.float32))
+            for (g, k), w in wires.items():
+                _average(w, step, np.array([float(g)], np.float32), owns=k == 0)
             assert all(w.recv()[1][0].tolist() == [0.5] for w in wires.values())
         _average(wires[0, 0], 6, np.array([1.0], np.float32))  # the others never send step 6
         _until(lambda: hub.pending)
@@ -234,21 +249,21 @@ def test_hub_drops_every_group_when_the_whole_quorum_hangs_and_restarts_them_fro
             hub.running(g)
         wires = {(g, k): _connect(hub, g, k) for g in range(2) for k in range(2)}
         for w in wires.values():
-            w.send({"kind": "ready", "step": 4})
+            w.send(_ready(4))
         assert all(w.recv()[0]["kind"] == "start" for w in wires.values())
         joined = [e for e in events if e["event"] == "group_joined"][2:]
         assert sorted((e["group"], e["step"], e["transfer"], e.get("all_lost")) for e in joined) == [
             (0, 4, False, True), (1, 4, False, True),
         ]  # fmt: skip
         for step in (4, 5, 6):
-            for (g, _k), w in wires.items():
+            for (g, k), w in wires.items():
                 if (step, g) != (6, 1):
-                    _average(w, step, np.array([2.0 * g], np.float32))
+                    _average(w, step, np.array([2.0 * g], np.float32), owns=k == 0)
             if step == 6:  # group 0 has sent step 6 only now: group 1 is not late
                 _until(lambda: len(hub.pending.get(6, {})) == 2)
                 assert hub.drop_hung(0.25) == {}
                 for k in range(2):
-                    _average(wires[1, k], 6, np.array([2.0], np.float32))
+                    _average(wires[1, k], 6, np.array([2.0], np.float32), owns=k == 0)
             assert all(w.recv()[1][0].tolist() == [1.0] for w in wires.values())
     finally:
         hub.close()
@@ -261,14 +276,14 @@ def test_hub_gives_the_first_step_the_startup_timeout_once_every_group_is_ready(
     try:
         w0, w1 = _connect(hub, 0), _connect(hub, 1)
         for w in (w0, w1):
-            w.send({"kind": "ready", "step": 0})
+            w.send(_ready(0))
         _until(lambda: len(hub.joined) == 2)
         _average(w0, 0, np.array([1.0], np.float32))
         _until(lambda: hub.pending)
         assert hub.drop_hung(60.0, now=time.time() + 10_000, startup_s=600.0) == {}  # 2 starts
         before = time.time()
         w2 = _connect(hub, 2)
-        w2.send({"kind": "ready", "step": 0})
+        w2.send(_ready(0))
         assert all(w.recv()[0]["kind"] == "start" for w in (w0, w1, w2))
         assert hub.drop_hung(60.0, now=before + 599, startup_s=600.0) == {}
         hung = hub.drop_hung(60.0, now=time.time() + 601, startup_s=600.0)
@@ -349,6 +364,19 @@ def test_groups_bad_input_one_line(tmp_path, args, message):
     assert out.stderr.strip().splitlines() == [f"error: {message}"]
 
 
+def test_a_groups_configuration_error_is_not_restarted(tmp_path):
+    """A group's process that exits 2 (a usage or configuration error, e.g. a global batch the
+    groups do not divide) would fail the same way in every restart: the job gives up at once."""
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--groups", "2",
+           "--no-spares", "--run-dir", str(tmp_path / "r"), "--", sys.executable, "-c",
+           "import os, sys, time; time.sleep(int(os.environ['JAXPAR_GROUP'])); sys.exit(2)"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "giving up: process 0 of group 0 exited with code 2 (a usage or configuration " \
+        "error, restarting will not help)" in out.stderr, out.stderr  # fmt: skip
+    assert "group 0 failed" not in out.stderr
+
+
 def test_a_group_started_beside_live_groups_leaves_their_save_in_flight(tmp_path, monkeypatch):
     """orbax removes the unfinished saves it finds as a checkpointer starts. A group restarted
     while another group saves (seen: group 1 restarted during group 0's save of step 4, which
@@ -382,3 +410,74 @@ def test_a_group_started_beside_live_groups_leaves_their_save_in_flight(tmp_path
     ckpt = Checkpointer(run, every=0, keep=2, meta={})  # a job's first start: tidies
     ckpt.close()
     _until(lambda: not in_flight.exists(), timeout=30.0)  # orbax's cleanup runs on a thread
+
+
+ROWS = [(0, 1, 0, 2), (1, 2, 0, 2)]  # a (2, 2) leaf split by rows: process k holds row k
+COLS = [(0, 2, 0, 1), (0, 2, 1, 2)]  # ... by columns: process k holds column k
+
+
+def _split(wire: Wire, kind: str, step: int, full: np.ndarray, index: tuple, **extra) -> None:
+    """Process `wire` sends its piece `index` of the (2, 2) leaf `full`, and wants it back."""
+    piece = np.ascontiguousarray(full[index[0] : index[1], index[2] : index[3]])
+    fields = group_layout.fields([(2, 2)], ["float32"], [[index]], [[index]])
+    wire.send({"kind": kind, "step": step, **fields, **extra}, [piece])
+
+
+def _restart_group_0(hub: Hub, wires: dict, shape: tuple, held: list) -> None:
+    """Group 0's connections lost, the group running again and its processes ready, process k
+    holding `held[k]` of a leaf of `shape`."""
+    for k in range(2):
+        wires[0, k].close()
+    _until(lambda: 0 not in hub.alive)
+    hub.running(0)
+    for k in range(2):
+        wires[0, k] = _connect(hub, 0, k)
+        fields = group_layout.fields([shape], ["float32"], [[]], [[held[k]]])
+        wires[0, k].send({"kind": "ready", "step": 0, **fields})
+
+
+def test_hub_averages_and_hands_over_between_groups_of_different_layouts():
+    """Group 0's two processes split a leaf by rows, group 1's by columns: the mean is of the
+    whole leaves, each process gets its own part of it; a group restarted in the rows layout gets
+    group 1's state resharded (checksummed anew), and one holding another state ends the job."""
+    hub, events = _hub(2, min_groups=1, per_group=2)
+    a = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    b = np.array([[5.0, 6.0], [7.0, 8.0]], np.float32)
+    try:
+        wires = {(g, k): _connect(hub, g, k) for g in range(2) for k in range(2)}
+        for (g, k), w in wires.items():
+            layout = ROWS if g == 0 else COLS
+            w.send({"kind": "ready", "step": 0,
+                    **group_layout.fields([(2, 2)], ["float32"], [[]], [[layout[k]]])})  # fmt: skip
+        assert all(w.recv()[0]["kind"] == "start" for w in wires.values())
+        for (g, k), w in wires.items():
+            _split(w, "average", 0, a if g == 0 else b, (ROWS if g == 0 else COLS)[k])
+        want = (a + b) / 2
+        assert wires[0, 1].recv()[1][0].tolist() == want[1:2, :].tolist()
+        assert wires[1, 1].recv()[1][0].tolist() == want[:, 1:2].tolist()
+        for w in (wires[0, 0], wires[1, 0]):
+            w.recv()
+        # group 0 restarts; group 1 (columns) gives its state at step 1, resharded to rows
+        _restart_group_0(hub, wires, (2, 2), ROWS)
+        _until(lambda: 0 in hub.transfers)
+        state = np.array([[9.0, 10.0], [11.0, 12.0]], np.float32)
+        for k in range(2):
+            _split(wires[1, k], "average", 1, b, COLS[k])
+        for k in range(2):
+            assert wires[1, k].recv()[0] == {"kind": "give_state", "step": 1, "arrays": []}
+            piece = [np.ascontiguousarray(state[:, k : k + 1])]
+            _split(wires[1, k], "state", 1, state, COLS[k],
+                   checksum=group_wire.checksum(piece))  # fmt: skip
+        for k in range(2):
+            header, got = wires[0, k].recv()
+            assert header["kind"] == "state" and header["checksum"] == group_wire.checksum(got)
+            assert got[0].tolist() == state[k : k + 1, :].tolist()
+        joined = [e for e in events if e["event"] == "group_joined" and e["transfer"]]
+        assert [(e["group"], e["resharded"]) for e in joined] == [(0, True)]
+        # a group holding a leaf of another shape can never take part: the job ends
+        _restart_group_0(hub, wires, (2, 3), [(0, 2, 0, 3)] * 2)
+        _until(lambda: hub.fatal is not None)
+        assert "leaf 0 is float32[2, 3] against float32[2, 2]" in hub.fatal
+        assert "same model and optimizer" in hub.fatal
+    finally:
+        hub.close()

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxpar
 from jaxpar.supervisor.replicas import Hub
 from jaxpar.train.recipes import digits_mlp
-from jaxpar.worker import group_wire, groups
+from jaxpar.worker import group_layout, group_wire, groups
 
 KEY = b"g" * 32
 
@@ -64,10 +65,47 @@ def test_group_steps_match_the_one_program_step(hub, diloco):
         assert link.quorum == [0]
     _close(state, ref)
     assert int(state["step"]) == 4 and hub.released == (2 if diloco else 4)
-    # a state sent over the wire (every process's shards, checksummed) comes back as it was
-    flat, counts = groups.tree_to_wire(state)
-    back = groups.tree_from_wire(job.init(), flat, counts)
-    assert group_wire.checksum(groups.tree_to_wire(back)[0]) == group_wire.checksum(flat)
+    # a state sent over the wire (every distinct shard, checksummed) comes back as it was
+    fields, arrays = groups.tree_pieces(state, "held")
+    back = groups.tree_from_pieces(job.init(), arrays)
+    assert group_wire.checksum(groups.tree_pieces(back, "held")[1]) == group_wire.checksum(arrays)
     for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
         assert x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y))
     link.close(complete=True)
+
+
+def _as_parsed(fields: dict, arrays: list):
+    return group_layout.parse(fields, arrays), arrays
+
+
+@pytest.mark.slow
+def test_groups_of_different_layouts_average_and_hand_over_their_state():
+    """Two groups of different meshes (data x fsdp on four devices; fsdp x tensor on the other
+    four): each group's owned shards tile every leaf once, so the hub's mean of both is the mean
+    of the whole leaves; a state resharded by the hub from one group's distinct shards arrives in
+    the other's layout with the same values."""
+    cfg = jaxpar.apply_overrides(digits_mlp(), ["model.hidden=32", "data.global_batch=32"])
+    a = jaxpar.build(cfg, "data=2,fsdp=2", devices=jax.devices()[:4])
+    b = jaxpar.build(cfg, "fsdp=2,tensor=2", devices=jax.devices()[4:8])
+    sa, sb = a.init(), b.init()
+    sb = jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x, sb)
+    assert any(x.sharding != y.sharding for x, y in
+               zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True))  # fmt: skip
+    # the average: owned shards of each group, the mean cut to each group's own shards
+    parts = [_as_parsed(*groups.tree_pieces(s, "owned")) for s in (sa, sb)]
+    assert all(group_layout.tiles([lay]) for lay, _ in parts)
+    means = group_layout.mean(parts, 2)
+    for s, (lay, _) in zip((sa, sb), parts, strict=True):
+        back = groups.tree_from_pieces(s, group_layout.cut(means, lay))
+        for x, y, z in zip(jax.tree.leaves(back), jax.tree.leaves(sa), jax.tree.leaves(sb),
+                           strict=True):  # fmt: skip
+            want = (np.asarray(y, np.float64) + np.asarray(z, np.float64)) / 2
+            np.testing.assert_allclose(np.asarray(x), want.astype(x.dtype), rtol=1e-6)
+    # the state: group a's distinct shards put together, cut to group b's layout
+    held = _as_parsed(*groups.tree_pieces(sa, "held"))
+    need = group_layout.parse(groups.tree_pieces(sb, "none")[0], [])
+    assert group_layout.covers([held[0]]) and held[0].pieces != need.need
+    got = groups.tree_from_pieces(sb, group_layout.cut(group_layout.assemble([held]), need))
+    for x, y, z in zip(jax.tree.leaves(got), jax.tree.leaves(sa), jax.tree.leaves(sb),
+                       strict=True):  # fmt: skip
+        assert x.sharding == z.sharding and np.array_equal(np.asarray(x), np.asarray(y))

@@ -44,7 +44,7 @@ from jaxpar.supervisor.policy import classify_exit, worker_env
 from jaxpar.supervisor.transport import Rendezvous
 from jaxpar.worker import bootstrap, group_layout, group_wire
 from jaxpar.worker.group_layout import Layout
-from jaxpar.worker.group_wire import Wire, WireError
+from jaxpar.worker.group_wire import Outbox, WireError
 
 GROUP_FAILURE = SupervisorEvent.GROUP_FAILURE
 GROUP_RESTART = SupervisorEvent.GROUP_RESTART
@@ -90,7 +90,8 @@ class Hub:
         self.key, self.groups, self.per_group, self.min_groups = key, groups, per_group, min_groups
         self.event, self.on_drop = event, on_drop
         self.cv = threading.Condition()
-        self.wires: dict[tuple[int, int], Wire] = {}
+        # each worker's connection: frames to it are queued, never sent under the lock
+        self.wires: dict[tuple[int, int], Outbox] = {}
         self.ready: dict[int, dict[int, int]] = {}  # group -> rank -> step it is ready at
         self.alive: set[int] = set()  # groups the supervisor runs now
         self.joined: dict[int, int] = {}  # group -> first step it takes part in
@@ -147,7 +148,7 @@ class Hub:
             with self.cv:
                 if g not in self.alive:
                     raise WireError(f"group {g} is not running")
-                self.wires[who] = wire
+                self.wires[who] = Outbox(wire, name=f"jaxpar-hub-to-{g}.{k}")
             while True:
                 header, arrays = wire.recv()
                 with self.cv:
@@ -155,7 +156,8 @@ class Hub:
         except (OSError, WireError, ValueError, TypeError, ConnectionError) as e:
             with self.cv:
                 # a group dropped already (its wires gone, perhaps restarted since) or finished
-                current = who is not None and wire is not None and self.wires.get(who) is wire
+                box = self.wires.get(who) if who is not None else None
+                current = box is not None and box.wire is wire
                 if not current or who[0] in self.finished:
                     with contextlib.suppress(OSError):
                         conn.close()
@@ -165,13 +167,9 @@ class Hub:
             self.on_drop(who[0])
 
     def _send(self, who: tuple[int, int], header: dict, arrays: list = ()) -> None:
-        wire = self.wires.get(who)
-        if wire is None:
-            return
-        try:
-            wire.send(header, list(arrays))
-        except OSError:
-            pass  # its reader sees the connection go and drops the group
+        box = self.wires.get(who)
+        if box is not None:
+            box.put(header, arrays)  # a failed send: its reader sees the connection go
 
     # -- messages (under self.cv) ---------------------------------------------------------------
 
@@ -395,11 +393,10 @@ class Hub:
         for k in range(self.per_group):
             self.layouts.pop((g, k), None)
         for k in range(self.per_group):
-            wire = self.wires.pop((g, k), None)
-            if wire is not None:
-                with contextlib.suppress(OSError):
-                    wire.send({"kind": "stop", "why": why})
-                wire.close()
+            box = self.wires.pop((g, k), None)
+            if box is not None:  # told why, if it still reads; closed within seconds anyway
+                box.put({"kind": "stop", "why": why})
+                box.close(grace_s=5.0)
         for step in self.pending:
             for k in range(self.per_group):
                 self.pending[step].pop((g, k), None)
@@ -499,8 +496,8 @@ class Hub:
         with contextlib.suppress(OSError):
             self.sock.close()
         with self.cv:
-            for wire in self.wires.values():
-                wire.close()
+            for box in self.wires.values():
+                box.close()
 
 
 # ---- the supervisor -------------------------------------------------------------------------------

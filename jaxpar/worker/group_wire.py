@@ -21,6 +21,7 @@ import hmac
 import json
 import math
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -164,10 +165,50 @@ class Wire:
         return header, unpack(specs, payload)
 
     def close(self) -> None:
+        """Close the connection; a thread blocked sending or receiving on it returns (OSError)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+class Outbox:
+    """A wire's frames, queued and written by a thread of their own: whoever queues them (the
+    hub, under its lock) never waits for the peer, so a peer that stops reading (cut off the
+    network, stopped) holds up only its own connection."""
+
+    def __init__(self, wire: Wire, name: str = "jaxpar-outbox"):
+        self.wire = wire
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def put(self, header: dict, arrays: list[np.ndarray] = ()) -> None:
+        self._queue.put((header, list(arrays)))
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Close once the frames queued so far are written, or after `grace_s` at the latest."""
+        self._queue.put(None)
+        if grace_s <= 0:
+            self.wire.close()
+            return
+        timer = threading.Timer(grace_s, self.wire.close)
+        timer.daemon = True
+        timer.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            try:
+                self.wire.send(*item)
+            except OSError:
+                break  # its reader sees the connection go
+        self.wire.close()
 
 
 def client_handshake(sock: socket.socket, key: bytes, hello: dict) -> Wire:

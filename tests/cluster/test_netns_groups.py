@@ -8,6 +8,10 @@ trains on) and healed (group 1 is restarted by the leader's queued command and r
 lost for good, its agent and workers killed (group 0 finishes alone, --min-groups 1). Group 0's
 process runs throughout, and no step is trained twice.
 
+Another job loses h0, the leader's host with the group hub: h1's agent stops its group and
+exits 1 with nothing left running, and the same command lines resume the run from the newest
+checkpoint to the end.
+
     python -m pytest tests/cluster -m netns
 """
 
@@ -29,13 +33,16 @@ STEPS, KILL_AT = 90, 4
 TIMEOUT = 900  # generous: a loaded 2-core machine
 
 
-def _start(hosts, run_dir, tag: str) -> tuple[list[subprocess.Popen], list]:
+FAULTS = ["--fault", f"kill@{KILL_AT}:process=1",  # group 1's process, on h1
+          # group 0 paced from then on: the partition and the rejoins fit in the run
+          "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=0.7"]  # fmt: skip
+
+
+def _start(hosts, run_dir, tag: str, steps: int = STEPS, every: int = 20,
+           faults: list[str] = FAULTS) -> tuple[list[subprocess.Popen], list]:  # fmt: skip
     coordinator = f"{hosts.addr(0)}:29400"
     train = [sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--no-progress", "--steps",
-             str(STEPS), "--set", "ckpt.every=20", *SMALL]  # fmt: skip
-    faults = ["--fault", f"kill@{KILL_AT}:process=1",  # group 1's process, on h1
-              # group 0 paced from then on: the partition and the rejoins fit in the run
-              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=0.7"]  # fmt: skip
+             str(steps), "--set", f"ckpt.every={every}", *SMALL]  # fmt: skip
     procs, logs = [], []
     for i in range(2):
         cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nnodes", "2", "--node-rank",
@@ -115,3 +122,59 @@ def test_groups_across_hosts_survive_a_kill_a_partition_and_a_lost_host(hosts2, 
     assert quorum[healed_at + 1] == [0, 1], (healed_at, quorum)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["groups"]["group_restarts"] == 2
+
+
+def test_groups_leader_host_lost_fails_clearly_and_resumes(hosts2, tmp_path):
+    """h0 lost with the leader and the group hub: the job cannot go on (the hub decides every
+    step), h1's agent stops its group and exits 1, and the same command lines resume the run
+    from the newest checkpoint."""
+    steps, every = 30, 10
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    slow = ["--fault", "slow@1:process=0:seconds=0.3"]  # paced: the loss comes mid-run
+    procs, logs = _start(hosts2, run_dir, "a", steps, every, slow)
+    try:
+        deadline = time.time() + TIMEOUT
+        while (
+            not (run_dir / "checkpoints" / str(every)).is_dir()
+            or max(losses(run_dir) or [0]) < every + 2
+        ):
+            assert all(p.poll() is None for p in procs), logs[0].read_text(errors="replace")
+            assert time.time() < deadline, logs[0].read_text(errors="replace")
+            time.sleep(0.2)
+        hosts2.kill_host(0)  # the leader (its hub) and group 0's worker at once
+        assert procs[1].wait(timeout=120) == 1, logs[1].read_text(errors="replace")
+        deadline = time.time() + 60
+        while hosts2.pids(1) and time.time() < deadline:  # group 1's worker goes with its agent
+            time.sleep(0.2)
+        assert hosts2.pids(1) == []
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "leader gone" in logs[1].read_text(errors="replace")
+    done = max(losses(run_dir))
+    assert done < steps
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    # h0 back: the same command lines resume from the newest checkpoint
+    again, logs = _start(hosts2, run_dir, "b", steps, every, [])
+    try:
+        for p in again:
+            p.wait(timeout=TIMEOUT)
+    finally:
+        for p in again:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in again] == [0, 0], logs[0].read_text(errors="replace")
+    restore = events(run_dir, "restore")[-1]
+    # the newest persistent checkpoint, or the snapshot h1's group took as its agent stopped it
+    if restore["tier"] == "persistent":
+        assert restore["step"] == saved[-1], (restore, saved)
+    else:
+        assert restore["tier"] == "local" and saved[-1] <= restore["step"] <= done, restore
+    resumed = [e for e in events(run_dir, "group_joined")][-2:]
+    assert sorted((e["group"], e["step"], e["transfer"]) for e in resumed) == [
+        (0, restore["step"], False), (1, restore["step"], False),
+    ]  # fmt: skip
+    assert sorted(losses(run_dir)) == list(range(1, steps + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"

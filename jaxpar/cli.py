@@ -528,8 +528,9 @@ def _add_launch_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="while a group trains, build the next incarnation's group up to its first step "
-        "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host, devices "
-        "that can be shared (CPU); default off: it holds a second set of devices and memory while "
+        "(jax.distributed, mesh, compiled step) and switch to it on a failure; one host (with "
+        "--groups: every host, for its own groups; give it to every agent), devices that can be "
+        "shared (CPU); default off: it holds a second set of devices and memory while "
         "the job trains (jaxpar docs cluster)",
     )
     la.add_argument(

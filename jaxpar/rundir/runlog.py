@@ -103,11 +103,12 @@ class SupervisorEvent:
     GROUP_JOINED = "group_joined"
     GROUP_STOPPED = "group_stopped"
     QUORUM_CHANGED = "quorum_changed"
+    GROUP_STANDBY_READY = "group_standby_ready"  # a group's standby group is built and waiting
 
     ALL = frozenset(
         {LAUNCH, GROUP_STARTED, FAILURE, PREEMPTION, SURVIVORS_STOPPED, RESTART, SHRINK, GAVE_UP,
          STACKS_DUMPED, STRAGGLER, CONTROL_REJECTED, ENDED, GROUP_FAILURE, GROUP_RESTART,
-         GROUP_JOINED, GROUP_STOPPED, QUORUM_CHANGED}
+         GROUP_JOINED, GROUP_STOPPED, QUORUM_CHANGED, GROUP_STANDBY_READY}
     )  # fmt: skip
     DETECTIONS = (FAILURE, PREEMPTION)  # the supervisor noticed an incarnation ending
 

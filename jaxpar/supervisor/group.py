@@ -147,7 +147,7 @@ class LocalGroup:
 
     def _started(self) -> None:
         self.spares_due = self.opts.spares and not self.spares
-        self.standby_due = self.opts.standby and self.opts.nnodes == 1
+        self.standby_due = self.opts.standby and self._standby_here()
         self.stepping = False
         self.seen = set()
         self.events = EventTail(os.path.join(self.opts.run_dir, runlog.EVENTS))  # from now
@@ -235,13 +235,22 @@ class LocalGroup:
             return
         self.standby_due = False
         self.release_standby()
-        port = free_port(self.opts.bind)
+        bind = self._standby_bind()
+        port = free_port(bind)
         spec = dict(self.spec, incarnation=self.spec["incarnation"] + 1,
                     attempt=self.spec["attempt"] + 1, coordinator=join_address("127.0.0.1", port),
-                    bind=join_address(self.opts.bind, port), standby=True)  # fmt: skip
+                    bind=join_address(bind, port), standby=True)  # fmt: skip
         self.standby = Standby(spec)
         for local_rank, pid in enumerate(spec["process_ids"]):
             self.standby.spawn(pid, self.opts.command, self._env(spec, pid, local_rank))
+
+    def _standby_here(self) -> bool:
+        """Whether this host builds standby groups: a job's group spans every host, so one host."""
+        return self.opts.nnodes == 1
+
+    def _standby_bind(self) -> str:
+        """Where a standby group's coordinator listens."""
+        return self.opts.bind
 
     def standby_spec(self) -> dict | None:
         return self.standby.spec if self.standby is not None else None

@@ -118,9 +118,14 @@ class RemoteGroup:
             if msg["exit"] in self.ids and msg["exit"] not in self.exits:
                 self.exits[msg["exit"]] = msg["code"]
                 self.pending.append((msg["exit"], msg["code"]))
+        elif msg.get("standby_ready") is True:
+            self.host.event(SupervisorEvent.GROUP_STANDBY_READY, group=self.group,
+                            node=self.host.rank)  # fmt: skip
         elif "started" in msg and isinstance(msg.get("pids"), list):
             pids = [p for p in msg["pids"] if type(p) is int][: len(self.ids)]
-            path = msg.get("path") if msg.get("path") in ("spares", "cold") else "cold"
+            path = msg.get("path") if msg.get("path") in ("spares", "cold", "standby") else "cold"
+            if self.spec is not None and type(msg.get("incarnation")) is int:  # a standby's own
+                self.spec = dict(self.spec, incarnation=msg["incarnation"])
             self.host.event(SupervisorEvent.GROUP_STARTED, group=self.group, nproc=len(self.ids),
                             process_ids=self.ids, node=self.host.rank, path=path, pids=pids)  # fmt: skip
 
@@ -128,7 +133,15 @@ class RemoteGroup:
         self.host.pump()
         return self.host.lost
 
+    def mark_stepping(self) -> None:
+        """The hub admitted this group: its agent may build its spares and standby group."""
+        if not self.stepping:
+            self.stepping = True
+            self.host.node.chan.send({"cmd": "stepping", "group": self.group,
+                                      "attempt": self.attempt})  # fmt: skip
+
     def start(self, spec: dict) -> None:
+        self.stepping = False
         self.spec, self.attempt = spec, int(spec["attempt"])
         self.ids, self.exits, self.pending = list(spec["process_ids"]), {}, []
         self.host.node.chan.send({"cmd": "start", "spec": spec})
@@ -203,13 +216,26 @@ class FollowerGroups:
             grp = ReplicaGroup(self.opts, self.waker, g, spec["hub"], key, groups=spec["groups"],
                                host_offset=offset)  # fmt: skip
             self.groups[g] = grp
-        port = free_port("127.0.0.1")
-        spec = dict(spec, coordinator=join_address("127.0.0.1", port),
-                    bind=join_address("127.0.0.1", port), standby=False)  # fmt: skip
-        path = "spares" if len(grp.spares) >= len(spec["process_ids"]) else "cold"
+        if grp.standby_ready():  # this agent's --standby: built for this group's next start
+            spec, path = dict(grp.standby_spec() or {}, attempt=spec["attempt"]), "standby"
+        else:
+            port = free_port("127.0.0.1")
+            spec = dict(spec, coordinator=join_address("127.0.0.1", port),
+                        bind=join_address("127.0.0.1", port), standby=False)  # fmt: skip
+            path = "spares" if len(grp.spares) >= len(spec["process_ids"]) else "cold"
         grp.start(spec)
         pids = [grp.procs[p].pid for p in spec["process_ids"]]
-        return {"started": True, "group": g, "attempt": grp.attempt, "pids": pids, "path": path}
+        return {"started": True, "group": g, "attempt": grp.attempt, "pids": pids, "path": path,
+                "incarnation": spec["incarnation"]}  # fmt: skip
+
+    def stepping(self, g: object, attempt: object) -> None:
+        """The leader's hub admitted group `g`'s start `attempt`: its spares and standby group
+        may be built (an older attempt's word is stale)."""
+        grp = self.groups.get(g) if type(g) is int else None
+        if grp is None:
+            raise ValueError(f"no group {g!r} on this host")
+        if grp.attempt == attempt:
+            grp.mark_stepping()
 
     def stop(self, g: object, grace_s: float) -> None:
         grp = self.groups.get(g) if type(g) is int else None
@@ -224,13 +250,17 @@ class FollowerGroups:
 
     def poll(self) -> list[dict]:
         """Exits of this host's group processes, as messages for the leader."""
-        return [{"exit": pid, "code": code, "attempt": grp.attempt, "group": g}
-                for g, grp in self.groups.items() for pid, code in grp.poll()]  # fmt: skip
+        out = [{"exit": pid, "code": code, "attempt": grp.attempt, "group": g}
+               for g, grp in self.groups.items() for pid, code in grp.poll()]  # fmt: skip
+        out += [{"standby_ready": True, "attempt": grp.attempt, "group": g}
+                for g, grp in self.groups.items() if grp.standby_news()]  # fmt: skip
+        return out
 
     def close(self) -> None:
         for grp in self.groups.values():
             grp.kill_all()
             grp.release_spares()
+            grp.release_standby()
 
 
 __all__ = ["FollowerGroups", "RemoteGroup", "RemoteHost", "check_group_spec", "group_key"]

@@ -38,7 +38,8 @@ class Options:
     grace_s: float = 1.0
     # pre-start the next group's workers (imports done) while a group trains: faster restarts
     spares: bool = True
-    # build the next incarnation's group ahead (jaxpar/worker/standby.py): single host, off by default
+    # build the next incarnation's group ahead (jaxpar/worker/standby.py): single host (replica
+    # groups: each host for its own groups), off by default
     standby: bool = False
     preempt_grace_s: float = 120.0  # time for a coordinated preemption save
     backoff_base_s: float = 1.0

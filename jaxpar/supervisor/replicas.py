@@ -513,12 +513,31 @@ class ReplicaGroup(LocalGroup):
         self.n_groups = groups or opts.groups
         self.host_offset = host_offset  # the global id of this host's first process
         self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
+        self._told = None  # the standby group last reported ready
 
     def finished(self) -> bool:
         """Every process of its current start exited with 0."""
         return bool(self.procs) and not self.alive() and all(
             p.returncode == 0 for p in self.procs.values()
         )  # fmt: skip
+
+    def _standby_here(self) -> bool:
+        return True  # a replica group's world is on its own host: a standby on any host
+
+    def _standby_bind(self) -> str:
+        return self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
+
+    def mark_stepping(self) -> None:
+        """The hub admitted this group: its spares and standby group may be built now."""
+        self.seen |= {runlog.WorkerEvent.START, runlog.WorkerEvent.COMPILED}
+        self.stepping = True
+
+    def standby_news(self) -> bool:
+        """True once for each standby group of this group, when it is ready."""
+        if self.standby is None or self.standby is self._told or not self.standby_ready():
+            return False
+        self._told = self.standby
+        return True
 
     def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
@@ -669,9 +688,10 @@ class ReplicaSupervisor(JobState):
         with self.hub.cv:
             joined = set(self.hub.joined) & self.hub.alive
         for g in joined:
-            grp = self.groups[g]
-            grp.seen |= {runlog.WorkerEvent.START, runlog.WorkerEvent.COMPILED}
-            grp.stepping = True
+            self.groups[g].mark_stepping()  # on another host: its agent is told
+        for g, grp in enumerate(self.groups):
+            if isinstance(grp, ReplicaGroup) and grp.standby_news():
+                self.event(SupervisorEvent.GROUP_STANDBY_READY, group=g, node=0)
 
     def _loop(self) -> tuple[str, int]:
         assert self.hub is not None

@@ -74,6 +74,8 @@ def test_an_agent_refuses_start_messages_not_for_its_own_groups(tmp_path):
         agent.start(_spec(process_ids=[0, 1]))  # node 0's processes
     with pytest.raises(ValueError, match="no group"):
         agent.stop(1, 0.0)  # never started here
+    with pytest.raises(ValueError, match="no group"):
+        agent.stepping(1, 0)
     assert agent.groups == {}
 
 
@@ -104,8 +106,21 @@ def test_the_leader_reads_exits_and_starts_of_the_current_attempt_only():
     grp = RemoteGroup(host, 1)
     grp.start(_spec(attempt=3))
     assert host.node.chan.sent[-1]["cmd"] == "start" and grp.alive() == [2, 3]
+    grp.mark_stepping()  # admitted by the hub: the agent may build its standby, told once
+    grp.mark_stepping()
+    assert [m for m in host.node.chan.sent if m["cmd"] == "stepping"] == [
+        {"cmd": "stepping", "group": 1, "attempt": 3}
+    ]  # fmt: skip
     for msg in (
-        {"group": 1, "attempt": 3, "started": True, "pids": [41, 42], "path": "spares"},
+        {
+            "group": 1,
+            "attempt": 3,
+            "started": True,
+            "pids": [41, 42],
+            "path": "standby",
+            "incarnation": 9,
+        },
+        {"group": 1, "attempt": 3, "standby_ready": True},
         {"group": 1, "attempt": 2, "exit": 2, "code": -9},  # a stopped start's
         {"group": 1, "attempt": 3, "exit": 7, "code": -9},  # not one of its processes
         {"group": 0, "attempt": 3, "exit": 2, "code": -9},  # another group's
@@ -113,8 +128,10 @@ def test_the_leader_reads_exits_and_starts_of_the_current_attempt_only():
     ):
         host.node.chan.inbox.put(msg)
     assert grp.poll() == [(2, -9)] and grp.alive() == [3] and not grp.finished()
-    (started,) = events
+    started, standby = events
     assert started["group"] == 1 and started["node"] == 1 and started["pids"] == [41, 42]
+    assert started["path"] == "standby" and grp.spec["incarnation"] == 9  # the standby's own
+    assert standby == {"event": "group_standby_ready", "group": 1, "node": 1}
     host.node.chan.inbox.put({"group": 1, "attempt": 3, "exit": 3, "code": 0})
     assert grp.poll() == [(3, 0)] and grp.alive() == []
     host.node.chan.inbox.put({"group": 1, "attempt": 3, "refused": "no\x1b[2J layout"})

@@ -190,10 +190,10 @@ def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_
     transfer is void: group 2 is restarted again, group 0 too; group 0 rejoins from group 1,
     which trains throughout (started once, no step rewound), and group 2 from the quorum's
     lowest group then."""
-    steps = 16
+    steps = 24  # group 1 paced at 1 s a step from step 4: both rejoin long before the end
     nproc = ["--nproc", "3", "--devices-per-proc", "1", "--groups", "3", "--min-groups", "1",
              "--max-restarts", "6"]  # fmt: skip
-    faults = ["kill@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=0.5"]
+    faults = ["kill@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=1"]
     run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
                  train_cmd(steps, 4, "--set", "data.global_batch=24"))  # fmt: skip
     try:

@@ -1,7 +1,8 @@
 """Replica groups on two `jaxpar launch` agents of this machine (`--nnodes 2 --groups 2`): each
 host runs one group, the leader's supervisor decides for both, and the groups' layouts differ
 (node 0's mesh is data=2, node 1's tensor=2). Group 1's process (on node 1) killed: only group 1
-restarts, on node 1, through that agent, and rejoins from group 0's state, resharded;
+restarts, on node 1, through that agent, and rejoins from group 0's state, resharded; node 1's
+agent (--standby) builds a standby group for it, and a second kill restarts group 1 from there;
 then node 1 is lost (its agent and workers killed at once): group 0 trains on alone
 (--min-groups 1) to the last step, group 0's process started once throughout.
 
@@ -23,7 +24,7 @@ from tests.support.launch_util import Launch, losses, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS, KILL_AT = 24, 4
+STEPS, KILL_AT = 40, 4
 WAIT = 600
 
 
@@ -59,7 +60,7 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
                     name="node0")  # fmt: skip
     follower = Launch(
         run_dir,
-        [*common, "--node-rank", "1", "--min-groups", "1"],
+        [*common, "--node-rank", "1", "--min-groups", "1", "--standby"],
         train_cmd(STEPS, 4, "--mesh", "tensor=2"),
         name="node1",
     )  # another layout
@@ -69,6 +70,19 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
                "a step with group 1 back", leader, follower)  # fmt: skip
         started = leader.events("group_started")
         assert [(e["group"], e.get("node", 0)) for e in started] == [(0, 0), (1, 1), (1, 1)]
+        # node 1's agent builds group 1's standby group once the hub has admitted it; a kill
+        # then restarts group 1 from it
+        _until(lambda: any(e["group"] == 1 and e["node"] == 1
+                           for e in leader.events("group_standby_ready")),
+               "group 1's standby group on node 1", leader, follower)  # fmt: skip
+        os.kill(started[-1]["pids"][0], signal.SIGKILL)
+        _until(lambda: len([e for e in leader.events("group_joined") if e["transfer"]]) == 2,
+               "group 1 back from its standby group", leader, follower)  # fmt: skip
+        started = leader.events("group_started")
+        assert [(e["group"], e.get("node", 0), e["path"]) for e in started][3:] == [
+            (1, 1, "standby")
+        ]  # fmt: skip
+        assert max(losses(run_dir)) < STEPS - 3, "the run finished before node 1 could be lost"
         node1 = started[-1]["pids"]
         # node 1 lost: its agent and its workers at once
         os.killpg(follower.proc.pid, signal.SIGKILL)
@@ -80,14 +94,13 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
         leader.close()
         follower.close()
     assert "joined the leader" in follower.output()
-    (restart,) = leader.events("group_restart")
-    assert restart["group"] == 1
-    (joined,) = [e for e in leader.events("group_joined") if e["transfer"]]
-    assert joined["group"] == 1 and joined["donor"] == 0 and joined["resharded"] is True
+    assert [e["group"] for e in leader.events("group_restart")] == [1, 1]
+    joined = [e for e in leader.events("group_joined") if e["transfer"]]
+    assert [(e["group"], e["donor"], e["resharded"]) for e in joined] == [(1, 0, True)] * 2
     gone = [e for e in leader.events("group_failure") if e.get("permanent")]
     assert [e["group"] for e in gone] == [1] and "node 1" in gone[0]["why"], gone
     # group 0 was started once and trained every step; group 1 never again after its host
-    assert [e["group"] for e in leader.events("group_started")] == [0, 1, 1]
+    assert [e["group"] for e in leader.events("group_started")] == [0, 1, 1, 1]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     lines = _lines(run_dir)
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # no step rewound

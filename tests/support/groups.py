@@ -30,7 +30,7 @@ SHARED = {
 }
 LONGEST_FIRST = {
     GPT_TINY_LAYOUTS: 420,  # test_precision + test_parity + test_step_audit
-    CLUSTER: 365,
+    CLUSTER: 390,
     PIPELINE_REST: 330,
     "recovery/test_checkpoint_faults.py": 300,
     PIPELINE_WHOLE_STEPS: 290,
@@ -44,7 +44,7 @@ LONGEST_FIRST = {
     "api/test_notebook.py": 125,
     "bench/test_bench_quick.py": 120,
     "parallel/test_context.py": 100,
-    "supervisor/test_replicas.py": 90,
+    "supervisor/test_replicas.py": 120,
     "recovery/test_resume_2proc.py": 85,
     "parallel/test_stage_layers.py": 80,
     "recovery/test_context_reshard.py": 60,

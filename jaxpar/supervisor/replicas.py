@@ -148,10 +148,12 @@ class Hub:
             with self.cv:
                 if g not in self.alive:
                     raise WireError(f"group {g} is not running")
-                self.wires[who] = Outbox(wire, name=f"jaxpar-hub-to-{g}.{k}")
+                box = self.wires[who] = Outbox(wire, name=f"jaxpar-hub-to-{g}.{k}")
             while True:
                 header, arrays = wire.recv()
                 with self.cv:
+                    if self.wires.get(who) is not box:  # dropped: what it still sends is stale
+                        return
                     self._handle(who, header, arrays)
         except (OSError, WireError, ValueError, TypeError, ConnectionError) as e:
             with self.cv:

@@ -73,16 +73,25 @@ class JaxparRun:
         return out
 
     def steps(self) -> list[measure.Step]:
-        """Steps from metrics.jsonl: with groups, those of each line's `quorum`; else all."""
+        """Steps from metrics.jsonl: with groups, those of each line's `quorum`, each group's
+        life the number of times it had joined by then (a group that rejoins within the step it
+        was killed in never sits one out); else all."""
         every = tuple(range(self.p["groups"]))
         per_group = self.batch / self.p["groups"]
+        joins: dict[int, list[int]] = {}
+        for e in read_jsonl(os.path.join(self.run_dir, runlog.EVENTS)):
+            if e.get("event") == SupervisorEvent.GROUP_JOINED:
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    joins.setdefault(int(e["group"]), []).append(int(e["step"]))
         out = []
         for m in read_jsonl(os.path.join(self.run_dir, runlog.METRICS)):
             if "loss" not in m or "time" not in m:
                 continue
             if self.groups and isinstance(m.get("quorum"), list):
                 q = tuple(int(g) for g in m["quorum"])
-                out.append(measure.Step(float(m["time"]), int(m["step"]), q, per_group * len(q)))
+                n = int(m["step"])  # steps done: the line of step index n - 1
+                lives = {g: sum(first < n for first in joins.get(g, ())) for g in q}
+                out.append(measure.Step(float(m["time"]), n, q, per_group * len(q), lives))
             else:
                 lives = {g: int(m.get("incarnation", 0)) for g in every}
                 out.append(measure.Step(float(m["time"]), int(m["step"]), every, self.batch, lives))

@@ -134,7 +134,7 @@ class RemoteGroup:
         return self.host.lost
 
     def mark_stepping(self) -> None:
-        """The hub admitted this group: its agent may build its spares and standby group."""
+        """The group stepped in a quorum: its agent may build its spares and standby group."""
         if not self.stepping:
             self.stepping = True
             self.host.node.chan.send({"cmd": "stepping", "group": self.group,
@@ -229,7 +229,7 @@ class FollowerGroups:
                 "incarnation": spec["incarnation"]}  # fmt: skip
 
     def stepping(self, g: object, attempt: object) -> None:
-        """The leader's hub admitted group `g`'s start `attempt`: its spares and standby group
+        """Group `g`'s start `attempt` stepped in a quorum: its spares and standby group
         may be built (an older attempt's word is stale)."""
         grp = self.groups.get(g) if type(g) is int else None
         if grp is None:

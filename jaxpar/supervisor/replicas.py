@@ -13,7 +13,7 @@ A group that dies while a step is pending leaves the quorum and the step is rele
 rest with the gradients already held: the survivors lose no step. With fewer than --min-groups
 groups in the quorum the hub holds the step until enough groups are back (no group trains
 alone). A failed group alone is stopped and restarted; once ready it asks to join, the hub
-asks the quorum's lowest group for its state after the next step and forwards it, shard to
+asks the quorum's lowest group for its state of the step it computes and forwards it, shard to
 shard and checksummed, and the group takes part from that step on. A hung group is dropped
 once the others have waited the hang timeout for its shards; a quorum hung as a whole (no
 shards at all) once no step has been released for the hang timeout. With every group lost the
@@ -99,6 +99,8 @@ class Hub:
         self.pending: dict[int, dict[tuple[int, int], tuple[Layout, list]]] = {}
         # (group, rank) -> the shards of the state it holds (from its ready): what it is sent
         self.layouts: dict[tuple[int, int], Layout] = {}
+        # groups that average only at DiLoCo's outer steps: asked for their state at one
+        self.outer_only: set[int] = set()
         self.model: tuple | None = None  # the state's leaves (shapes, dtypes): every group's
         self.fatal: str | None = None  # a group that can never take part: the job ends
         self.first_seen: dict[int, float] = {}  # step -> when its first shards arrived
@@ -180,6 +182,8 @@ class Hub:
         kind = header.get("kind")
         if kind == "ready":
             self.layouts[who] = group_layout.parse(header, arrays)
+            if header.get("sync_every"):
+                self.outer_only.add(g)
             self.ready.setdefault(g, {})[k] = int(header.get("step", -1))
             self._admit(g)
         elif kind == "average":
@@ -236,8 +240,9 @@ class Hub:
             for s in sorted(self.pending):
                 self._release(s)
             return
-        # a live group's state at its next step not released yet: the donor (the lowest live
-        # group) sends it while that step waits, for this group too
+        # a live group's state at its next step not released yet, which this group computes
+        # with the others: the donor (the lowest live group) sends it as it computes that step
+        # (with DiLoCo: as it waits in its next outer step)
         q = self._quorum(self.next_step) if self.next_step is not None else []
         if not q:
             self._drop(g, f"no live group to give group {g} its state")
@@ -245,6 +250,9 @@ class Hub:
             return
         self.transfers[g] = {"donor": q[0], "step": None, "asked": set(), "got": {},
                              "sent": set(), "t": time.time(), "resharded": False}  # fmt: skip
+        if q[0] not in self.outer_only:
+            for k in range(self.per_group):
+                self._ask_state((q[0], k), self.next_step)
         for s in sorted(self.pending):
             for k in range(self.per_group):
                 if (q[0], k) in self.pending[s]:
@@ -392,6 +400,7 @@ class Hub:
         self.joined.pop(g, None)
         self.ready.pop(g, None)
         self.transfers.pop(g, None)
+        self.outer_only.discard(g)
         for k in range(self.per_group):
             self.layouts.pop((g, k), None)
         for k in range(self.per_group):
@@ -530,7 +539,7 @@ class ReplicaGroup(LocalGroup):
         return self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
 
     def mark_stepping(self) -> None:
-        """The hub admitted this group: its spares and standby group may be built now."""
+        """The group stepped in a quorum: its spares and standby group may be built now."""
         self.seen |= {runlog.WorkerEvent.START, runlog.WorkerEvent.COMPILED}
         self.stepping = True
 
@@ -684,11 +693,12 @@ class ReplicaSupervisor(JobState):
                    pids=[grp.procs[p].pid for p in ids])  # fmt: skip
 
     def _mark_joined(self) -> None:
-        """A group the hub has admitted is past its start-up: its spares and standby group may
-        be built now (they would slow its start-up before)."""
+        """A group in the quorum of the last step released is past its start-up and its first
+        step: its spares and standby group may be built now (on a small machine they would slow
+        the first step, which after a failure is part of the rejoin)."""
         assert self.hub is not None
         with self.hub.cv:
-            joined = set(self.hub.joined) & self.hub.alive
+            joined = set(self.hub.joined) & self.hub.alive & set(self.hub.last_quorum or ())
         for g in joined:
             self.groups[g].mark_stepping()  # on another host: its agent is told
         for g, grp in enumerate(self.groups):

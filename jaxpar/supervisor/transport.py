@@ -474,7 +474,7 @@ def _follow(msg: dict, group: LocalGroup, chan: Channel, replicas) -> int | None
             replicas.stop(msg["group"], float(grace))
         else:
             chan.send({"stopped": group.stop(float(grace))})
-    elif cmd == "stepping":  # a replica group admitted by the hub: its standby may be built
+    elif cmd == "stepping":  # a replica group that stepped in a quorum: its standby may be built
         replicas.stepping(msg.get("group"), msg.get("attempt"))
     elif cmd == "exit":
         return _int(msg, "code")

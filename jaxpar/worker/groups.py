@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import queue
 import socket
+import threading
 import time
 from typing import Any
 
@@ -202,7 +204,13 @@ def _with_shardings(abstract, compiled):
 
 class GroupLink:
     """This process's connection to the group hub, and the group's step programs
-    (`compile_halves`)."""
+    (`compile_halves`).
+
+    A reader thread takes every frame from the hub. It answers a `give_state` (a group joins at
+    the step this process computes) itself, from the state that step started from, which does
+    not change until the step's update; the rest goes to the training thread. So a donor gives
+    its state while it computes the step, and the joining group computes the same step beside
+    it."""
 
     def __init__(self, programs: tuple, sync_every: int = 0, run=None, faults=None):
         """`programs` from compile_halves; `sync_every`: DiLoCo's H (0: average every step);
@@ -217,19 +225,26 @@ class GroupLink:
         hello = {"group": self.group, "rank": self.rank, "nproc": jax.process_count(),
                  "pid": os.getpid()}  # fmt: skip
         self.wire = group_wire.client_handshake(sock, env["key"], hello)
+        self._inbox: queue.Queue = queue.Queue()
+        # (step, state) of the step this process computes, until its update takes the state
+        self._current: tuple[int, dict] | None = None
+        self._current_cv = threading.Condition()
+        self._closed = False
         self.quorum: list[int] = []
         self.leads = self.group == 0  # this group is the quorum's lowest: it writes the records
         self.sync_every, self.run, self.faults = sync_every, run, faults
         self.diloco = sync_every > 0
         self.inner = programs[0] if self.diloco else None  # DiLoCo: the group's own inner step
         self._first, self._second = programs if not self.diloco else programs[1]
+        threading.Thread(target=self._read, daemon=True, name="jaxpar-group-link").start()
 
     def join(self, state: dict) -> dict:
         """Tell the hub this group is ready at `state`'s step; returns the state to train from:
         `state` itself at the job's start, else a live group's, received shard to shard (with
         DiLoCo: the state before an outer step, which this group then takes with the others)."""
         fields, _ = tree_pieces(state, "none")  # the shards this process wants of a peer's state
-        self.wire.send({"kind": "ready", "step": int(state["step"]), **fields})
+        ready = {"kind": "ready", "step": int(state["step"]), "sync_every": self.sync_every}
+        self.wire.send({**ready, **fields})
         header, arrays = self._recv()
         self.quorum = [int(g) for g in header.get("quorum", [])]
         self.leads = bool(self.quorum) and self.group == min(self.quorum)
@@ -241,31 +256,70 @@ class GroupLink:
             raise WireError("the state received does not match its checksum")
         state = tree_from_pieces(state, arrays)
         if self.diloco:  # the outer step the donor waits in: its mean, without one of ours
+            step = int(header["step"])
+            self._computing(step, state)  # a group joining after this one may ask for it
             mean = self._first(state)
             fields, _ = tree_pieces(mean, "none")
-            self.wire.send({"kind": "listen", "step": int(header["step"]), **fields})
-            return self._second(state, self._averaged(mean, int(header["step"]), state)[0])
+            self.wire.send({"kind": "listen", "step": step, **fields})
+            mean = self._averaged(mean, step)[0]
+            self._computing(None)
+            return self._second(state, mean)
         return state
 
+    def _read(self) -> None:
+        """The reader thread: a `give_state` answered by a thread of its own, every other frame to
+        `_recv`."""
+        try:
+            while True:
+                header, arrays = self.wire.recv()
+                if header.get("kind") == "give_state":  # answered beside the reading
+                    step = int(header.get("step", -1))
+                    threading.Thread(target=self._give, args=(step,), daemon=True).start()
+                else:
+                    self._inbox.put((header, arrays))
+        except Exception as e:  # noqa: BLE001 - the training thread raises it as WireError
+            self._inbox.put(e)
+
+    def _give(self, step: int) -> None:
+        """Send the hub this process's shards of the state `step` started from, once this
+        process computes `step` (it may still be in the update of the step before). A step
+        already behind it means the joining group was dropped: nothing is sent."""
+        with self._current_cv:
+            while not self._closed and (self._current is None or self._current[0] < step):
+                self._current_cv.wait(1.0)
+            if self._closed or self._current[0] != step:
+                return
+            if self.faults is not None:
+                self.faults.before_give(step)
+            # under the lock: the update, which takes (donates) the state, waits for the copy
+            fields, arrays = tree_pieces(self._current[1], "held")
+        header = {"kind": "state", "step": step, **fields, "checksum": group_wire.checksum(arrays)}
+        self.wire.send(header, arrays)
+
+    def _computing(self, step: int | None, state: dict | None = None) -> None:
+        """Publish the step this process computes from `state` (None: its update takes it)."""
+        with self._current_cv:
+            self._current = None if step is None else (step, state)
+            self._current_cv.notify_all()
+
     def _recv(self) -> tuple[dict, list[np.ndarray]]:
-        header, arrays = self.wire.recv()
+        item = self._inbox.get()
+        if isinstance(item, Exception):
+            self._inbox.put(item)  # every later call fails the same way
+            raise WireError(f"the connection to the group hub failed ({item})")
+        header, arrays = item
         if header.get("kind") == "stop":
             raise WireError(f"the group hub stopped this group: {str(header.get('why'))[:200]}")
         return header, arrays
 
-    def _average(self, tree, step: int, state: dict):
+    def _average(self, tree, step: int):
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned."""
         fields, arrays = tree_pieces(tree, "owned")
         self.wire.send({"kind": "average", "step": step, **fields}, arrays)
-        return self._averaged(tree, step, state)
+        return self._averaged(tree, step)
 
-    def _averaged(self, like, step: int, state: dict):
+    def _averaged(self, like, step: int):
         header, arrays = self._recv()
-        while header.get("kind") == "give_state":  # a restarted group joins at this step
-            if self.faults is not None:
-                self.faults.before_give(step)
-            self.send_state(state, step)
-            header, arrays = self._recv()
         if header.get("kind") != "averaged" or header.get("step") != step:
             raise WireError(f"expected the average of step {step}, got {str(header)[:80]}")
         self.quorum = [int(g) for g in header.get("quorum", [])]
@@ -288,24 +342,24 @@ class GroupLink:
 
     def step(self, state: dict, batch: dict, step: int) -> tuple[dict, dict]:
         """One optimizer step: this group's gradients, the quorum's average, the update."""
+        self._computing(step, state)
         loss, aux, grads, extra = self._first(state, batch)
-        (loss, aux, grads), _ = self._average((loss, aux, grads), step, state)
+        (loss, aux, grads), _ = self._average((loss, aux, grads), step)
+        self._computing(None)
         return self._second(state, loss, aux, grads, extra)
 
     def sync(self, state: dict, step: int) -> dict:
         """DiLoCo's outer step after inner step `step`: the replicas' mean averaged across the
         quorum's groups, then the outer update (the same on every group)."""
-        mean, _ = self._average(self._first(state), step, state)
+        self._computing(step, state)
+        mean, _ = self._average(self._first(state), step)
+        self._computing(None)
         return self._second(state, mean)
 
-    def send_state(self, state: dict, step: int) -> None:
-        """Give a joining group this process's shards of `state` (through the hub): the state
-        waiting for the average of `step`."""
-        fields, arrays = tree_pieces(state, "held")
-        header = {"kind": "state", "step": step, **fields, "checksum": group_wire.checksum(arrays)}
-        self.wire.send(header, arrays)
-
     def close(self, complete: bool) -> None:
+        with self._current_cv:
+            self._closed = True
+            self._current_cv.notify_all()
         if complete:
             try:
                 self.wire.send({"kind": "bye"})

@@ -90,6 +90,26 @@ def test_ready_to_step_against_the_step_time(tmp_path):
     assert run.readies() == [m.Ready(8.0, 1)]
 
 
+def test_a_group_back_within_the_step_it_was_killed_in_rejoins_in_its_new_life(tmp_path):
+    # group 1 killed at t=5.5 while step index 5 waits; it is back, with the peer's state, for
+    # that same step: no metrics line lacks it, yet its rejoin is the line of step index 5
+    events = [{"event": "group_joined", "group": g, "step": 0, "transfer": False, "time": 0.5}
+              for g in (0, 1)]  # fmt: skip
+    events.append({"event": "group_joined", "group": 1, "step": 5, "transfer": True,
+                   "seconds": 0.1, "time": 5.9})  # fmt: skip
+    lines = [{"step": n, "loss": 1.0, "quorum": [0, 1], "time": float(n)} for n in range(1, 9)]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    run = survivors.JaxparRun.__new__(survivors.JaxparRun)
+    run.run_dir, run.groups, run.batch = str(tmp_path), True, 32
+    run.p = {"groups": 2}
+    steps = run.steps()
+    assert [s.lives for s in steps[4:7]] == [{0: 1, 1: 1}, {0: 1, 1: 2}, {0: 1, 1: 2}]
+    kills = [m.Kill(5.5, 1, 1, 101)]
+    assert m.rejoin_times(steps, kills) == [pytest.approx(0.5)]
+    assert m.ready_to_step(steps, kills, run.readies()) == [pytest.approx(0.2)]
+
+
 def test_a_restart_after_no_kill_is_healthy_and_a_missing_slot_keeps_its_pid():
     samples = [(1.0, {0: 10, 1: 11}), (2.0, {0: 10}), (3.0, {0: 10, 1: 11}), (4.0, {0: 20, 1: 11})]
     found = m.restarts(samples, per_group=1)

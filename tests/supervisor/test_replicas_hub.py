@@ -60,8 +60,9 @@ def _average(wire: Wire, step: int, *arrays, owns: bool = True) -> None:
 STATE = [np.zeros(2, np.float32), np.zeros((), np.int32)]
 
 
-def _ready(step: int) -> dict:
-    return {"kind": "ready", "step": step, **group_layout.whole(STATE, send=False)}
+def _ready(step: int, sync_every: int = 0) -> dict:
+    return {"kind": "ready", "step": step, "sync_every": sync_every,
+            **group_layout.whole(STATE, send=False)}  # fmt: skip
 
 
 def _state(wire: Wire, step: int, state: list) -> None:
@@ -162,6 +163,41 @@ def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
         hub.close()
 
 
+def test_hub_asks_the_donor_for_the_step_it_computes_and_holds_that_step_for_the_joiner():
+    """A group ready to join is given the state of the step the others compute now: the donor
+    is asked at once (before it has sent that step's gradients), and the step is not released
+    without the joining group's, even where the donor alone makes a quorum."""
+    hub, events = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _start_two(hub)
+        _step_two(w0, w1, 0)
+        w0.close()  # group 0 dies in step 1: group 1 goes on alone
+        _average(w1, 1, np.array([5.0], np.float32))
+        assert w1.recv()[0]["quorum"] == [1]
+        hub.running(0)  # restarted, ready while group 1 computes step 2
+        w0 = _connect(hub, 0)
+        w0.send(_ready(0))
+        assert w1.recv()[0] == {"kind": "give_state", "step": 2, "arrays": []}
+        assert hub.joined[0] == 2
+        _average(w1, 2, np.array([7.0], np.float32))
+        time.sleep(0.2)
+        assert 2 in hub.pending  # held for group 0
+        state = [np.array([9.0, 8.0], np.float32), np.array(2, np.int32)]
+        _state(w1, 2, state)
+        header, got = w0.recv()
+        assert header["kind"] == "state" and header["step"] == 2 and header["quorum"] == [0, 1]
+        assert group_wire.checksum(got) == group_wire.checksum(state)
+        _average(w0, 2, np.array([1.0], np.float32))
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [0, 1] and mean.tolist() == [4.0]
+        assert [e["transfer"] for e in events if e["event"] == "group_joined"] == [False] * 2 + [
+            True
+        ]
+    finally:
+        hub.close()
+
+
 def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
     """With DiLoCo a joining group gets the donor's state before an outer step and takes that
     step's mean without giving one (its replicas are the donor's: counting them would weigh the
@@ -170,13 +206,13 @@ def test_hub_diloco_joiner_listens_to_the_outer_step_it_joins_at():
     try:
         w1 = _connect(hub, 1)
         hub.alive.discard(0)  # group 0 is restarting: group 1 trains alone
-        w1.send(_ready(0))
+        w1.send(_ready(0, sync_every=4))
         assert w1.recv()[0]["kind"] == "start"
         _average(w1, 3, np.array([2.0], np.float32))
         assert w1.recv()[0]["quorum"] == [1]
         hub.running(0)
         w0 = _connect(hub, 0)
-        w0.send(_ready(0))
+        w0.send(_ready(0, sync_every=4))
         _until(lambda: 0 in hub.transfers)  # group 0 waits for a state before step 7 is sent
         _average(w1, 7, np.array([4.0], np.float32))
         assert w1.recv()[0] == {"kind": "give_state", "step": 7, "arrays": []}

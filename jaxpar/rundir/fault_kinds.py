@@ -19,6 +19,8 @@ Injection points (`at`), in the order they come at step S:
     before_snapshot  the local tier's hook: snapshot S written, its commit marker not yet
     before_give      a replica group's process asked by the group hub for its state at step S
                      (a group rejoins from it), before it sends any of it
+    inside_average   a replica group's process has sent the hub its shards of step S's
+                     gradients and waits for the quorum's average
 
 Kinds of one injection point fire in the order of the table.
 """
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POINTS = ("before_step", "on_state", "before_commit", "before_snapshot", "before_give")
+POINTS = ("before_step", "on_state", "before_commit", "before_snapshot", "before_give",
+          "inside_average")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ TABLE: tuple[FaultKind, ...] = (
     FaultKind("killgive", "before_give", True, None, "killgive@S[:process=P]",
               "SIGKILL when first asked for its state at step S or later, before sending it "
               "(--groups: the donor of a rejoining group lost during the state transfer)"),
+    FaultKind("killavg", "inside_average", True, None, "killavg@S[:process=P]",
+              "SIGKILL a moment after sending the group hub its shards of step S's gradients, "
+              "before the average comes back (--groups: a member lost inside the average)"),
 )  # fmt: skip
 
 KINDS: tuple[str, ...] = tuple(k.name for k in TABLE)

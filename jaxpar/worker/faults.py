@@ -195,6 +195,12 @@ class Faults:
         for kind in fault_kinds.at("before_give"):
             IMPLEMENTATIONS[kind](self, step + 1)
 
+    def inside_average(self, step: int) -> None:
+        """A replica group's process sent its shards of `step`'s (0-based) gradients to the hub
+        and waits for the average."""
+        for kind in fault_kinds.at("inside_average"):
+            IMPLEMENTATIONS[kind](self, step + 1)
+
     def name_in(self, error: BaseException) -> None:
         """Name the injected fault(s) of this process that caused `error` in its message
         (NonFiniteLoss after nan@S, ...: fault_kinds' `raises`)."""
@@ -297,10 +303,16 @@ def _killgive(f: Faults, at: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _killavg(f: Faults, at: int) -> None:
+    if f._take("killavg", at):
+        time.sleep(0.2)  # the hub has read the shards: the average waits with them
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
     "kill": _kill, "hang": _hang, "sigterm": _sigterm, "slow": _slow, "losthost": _losthost,
     "corrupt": _corrupt, "diverge": _diverge, "nan": _nan, "killsave": _killsave,
-    "killsnap": _killsnap, "killgive": _killgive,
+    "killsnap": _killsnap, "killgive": _killgive, "killavg": _killavg,
 }  # fmt: skip
 
 

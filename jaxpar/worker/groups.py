@@ -215,7 +215,8 @@ class GroupLink:
     def __init__(self, programs: tuple, sync_every: int = 0, run=None, faults=None):
         """`programs` from compile_halves; `sync_every`: DiLoCo's H (0: average every step);
         `run`: the RunDir whose process index follows the lead (the quorum's lowest group's
-        process 0 writes the records); `faults`: this process's injected faults (`killgive`)."""
+        process 0 writes the records); `faults`: this process's injected faults (`killgive`,
+        `killavg`)."""
         env = group_wire.group_env()
         assert env is not None
         self.group, self.groups = env["group"], env["groups"]
@@ -316,6 +317,8 @@ class GroupLink:
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned."""
         fields, arrays = tree_pieces(tree, "owned")
         self.wire.send({"kind": "average", "step": step, **fields}, arrays)
+        if self.faults is not None:
+            self.faults.inside_average(step)
         return self._averaged(tree, step)
 
     def _averaged(self, like, step: int):

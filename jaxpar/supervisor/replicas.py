@@ -535,8 +535,13 @@ class ReplicaGroup(LocalGroup):
     def _standby_here(self) -> bool:
         return True  # a replica group's world is on its own host: a standby on any host
 
-    def _standby_bind(self) -> str:
+    def world_bind(self) -> str:
+        """Where this group's coordinator listens, its standby's too: the group's world is on
+        this host, so on loopback (on one host the job's bind is loopback too)."""
         return self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
+
+    def _standby_bind(self) -> str:
+        return self.world_bind()
 
     def mark_stepping(self) -> None:
         """The group stepped in a quorum: its spares and standby group may be built now."""
@@ -677,9 +682,7 @@ class ReplicaSupervisor(JobState):
             grp.t_spawn = time.time()
             grp.start(spec)
             return
-        # the group's own world is on this host: its coordinator on loopback (on one host the
-        # job's bind is loopback too)
-        bind = self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
+        bind = grp.world_bind()
         port = free_port(bind)
         spec.update(coordinator=join_address("127.0.0.1", port), bind=join_address(bind, port))
         path = "spares" if len(grp.spares) >= len(ids) else "cold"

@@ -24,22 +24,36 @@ class Standby:
         self.ready_fds: dict[int, int] = {}
         self.is_ready: set[int] = set()
         self.dead: set[int] = set()  # closed its pipe without reporting ready
-        self.tmp_logs: dict[int, str] = {}
+        # each worker's output until "go": a file already unlinked (nothing is left behind
+        # when this supervisor is killed), read through this descriptor
+        self.tmp_logs: dict[int, int] = {}
 
     def spawn(self, pid: int, command: list[str], env: dict) -> None:
         r, w = os.pipe()
         os.set_blocking(r, False)
         fd, tmp = tempfile.mkstemp(prefix=f"jaxpar-standby-p{pid}-", suffix=".log")
+        os.unlink(tmp)
         env = dict(env, **{standby_lib.ENV_STANDBY: "1", standby_lib.ENV_READY_FD: str(w)})
         try:
             self.procs[pid] = subprocess.Popen(
                 command, env=env, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                 pass_fds=(w,), start_new_session=True,
             )  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             os.close(w)
-            os.close(fd)
-        self.ready_fds[pid], self.tmp_logs[pid] = r, tmp
+        self.ready_fds[pid], self.tmp_logs[pid] = r, fd
+
+    def output(self, pid: int) -> bytes:
+        """What standby worker `pid` printed so far."""
+        fd, chunks, at = self.tmp_logs[pid], [], 0
+        with contextlib.suppress(OSError):
+            while chunk := os.pread(fd, 1 << 20, at):
+                chunks.append(chunk)
+                at += len(chunk)
+        return b"".join(chunks)
 
     def _read(self) -> None:
         for pid, fd in self.ready_fds.items():
@@ -66,8 +80,8 @@ class Standby:
 
     def go(self, pid: int, log: str, opener) -> None:
         """Append what the worker printed so far to `log`, then tell it to go on there."""
-        with opener(log) as out, contextlib.suppress(OSError), open(self.tmp_logs[pid], "rb") as f:
-            out.write(f.read())
+        with opener(log) as out, contextlib.suppress(OSError):
+            out.write(self.output(pid))
         proc = self.procs[pid]
         with contextlib.suppress(OSError):  # a worker that died shows as an exit at once
             proc.stdin.write((json.dumps({"log": log}) + "\n").encode())
@@ -76,10 +90,10 @@ class Standby:
     def keep_logs(self, log_dir: str) -> list[str]:
         """Copy each standby worker's output to LOG_DIR/standby-inc<I>-proc<P>.log."""
         out = []
-        for pid, tmp in self.tmp_logs.items():
+        for pid in self.tmp_logs:
             path = os.path.join(log_dir, f"standby-inc{self.spec['incarnation']}-proc{pid}.log")
-            with contextlib.suppress(OSError), open(tmp, "rb") as f, open(path, "ab") as g:
-                g.write(f.read())
+            with contextlib.suppress(OSError), open(path, "ab") as g:
+                g.write(self.output(pid))
                 out.append(path)
         return out
 
@@ -88,9 +102,9 @@ class Standby:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.ready_fds = {}
-        for path in self.tmp_logs.values():
+        for fd in self.tmp_logs.values():
             with contextlib.suppress(OSError):
-                os.remove(path)
+                os.close(fd)
         self.tmp_logs = {}
 
     def release(self) -> None:

@@ -110,3 +110,34 @@ def test_supervisor_sigterm_releases_the_standby_group(tmp_path):
         assert not _gone(pids), f"still running after SIGTERM: {_gone(pids)}"
     finally:
         run.close()
+
+
+def test_a_standby_workers_output_leaves_no_file_behind(tmp_path, monkeypatch):
+    """Its output before "go" is in a file unlinked at once: copied into the worker's log on
+    "go" and into logs/ when kept, and nothing is left in the temporary directory even if the
+    supervisor is killed (no cleanup runs)."""
+    import sys
+    import tempfile
+
+    from jaxpar.supervisor.standby_group import Standby
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    s = Standby({"incarnation": 3})
+    code = "import sys; print('warming up', flush=True); sys.stdin.read()"
+    s.spawn(5, [sys.executable, "-c", code], dict(os.environ))
+    assert os.listdir(tmp) == []
+    deadline = time.time() + 60
+    while b"warming up" not in s.output(5):
+        assert time.time() < deadline, s.output(5)
+        time.sleep(0.05)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert s.keep_logs(str(logs)) == [str(logs / "standby-inc3-proc5.log")]
+    assert (logs / "standby-inc3-proc5.log").read_bytes() == b"warming up\n"
+    s.go(5, str(tmp_path / "worker.log"), lambda p: open(p, "ab"))
+    assert (tmp_path / "worker.log").read_bytes() == b"warming up\n"
+    assert s.procs[5].wait(timeout=60) == 0
+    s.release()
+    assert os.listdir(tmp) == [] and s.tmp_logs == {}

@@ -34,7 +34,7 @@ LONGEST_FIRST = {
     PIPELINE_REST: 330,
     "recovery/test_checkpoint_faults.py": 300,
     PIPELINE_WHOLE_STEPS: 290,
-    "bench/test_bench_recovery.py": 270,
+    "bench/test_bench_recovery.py": 200,
     "data/test_data_e2e.py": 210,
     "recovery/test_local_resume_2proc.py": 170,
     "supervisor/test_supervisor.py": 155,

@@ -123,15 +123,20 @@ ABORTS: set[str] = set()
 
 
 def _eight_device_presets():
-    out = []
+    """One preset per distinct program on 8 devices: presets of the same axis sizes and rules
+    (cpu1 and h200x1; fsdp8, h100x8 and v5e-8) compile the same program, the first is kept."""
+    out, seen = [], set()
     for name, p in PRESETS.items():
         if name in ABORTS:
             continue
         try:
-            n = p.mesh.resolve(8).size
+            mesh = p.mesh.resolve(8)
         except ValueError:
-            n = p.mesh.size
-        if 0 < n <= 8 and p.num_processes == 1:
+            mesh = p.mesh
+        n = mesh.size
+        same = (tuple(sorted(mesh.sizes().items())), repr(p.params), repr(p.acts), repr(p.extra))
+        if 0 < n <= 8 and p.num_processes == 1 and same not in seen:
+            seen.add(same)
             # a layout with experts needs a model with experts
             out.append((name, n, "gpt_moe" if p.mesh.sizes().get("expert", 1) > 1 else "gpt_tiny"))
     return out

@@ -1,33 +1,48 @@
 """Attention over a sequence that the activation rules may split across devices.
 
     from jaxpar.engine.attention import attention
-    o_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, impl="ring")
+    o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, impl="ring")
 
-A model calls `attention` with queries, keys and values named ("batch", "seq", "heads",
-"head_dim") and never names a mesh axis. Where the activation rules put `seq` on a mesh axis of
-size 1 (every layout without `context`), or outside jaxpar's step, it is plain causal softmax
-attention. Where they split `seq` over an axis of size c > 1 (the `context` axis: the ring), it
-runs in a shard_map over the mesh, each device holding T/c positions, as one of:
+A model calls `attention` with queries named ("batch", "seq", "heads", "head_dim") and keys and
+values named ("batch", "seq", "kv", "head_dim"), and never names a mesh axis. Grouped-query
+attention is native: q has N heads, k and v K heads with K dividing N, and query head n attends
+with kv head n // (N/K) (consecutive query heads share a kv head, as Hugging Face's repeat_kv
+orders them); K = N is multi-head attention, K = 1 multi-query. The kv heads are never repeated
+to N: scores are a grouped einsum of q as [B, T, K, N/K, H] against [B, S, K, H], and only the K
+kv heads travel between devices. The softmax scale is `scale` (default 1/sqrt(head_dim)), in
+every kernel, forward and backward.
+
+Where the activation rules put `seq` on a mesh axis of size 1 (every layout without `context`),
+or outside jaxpar's step, it is plain causal softmax attention. Where they split `seq` over an
+axis of size c > 1 (the `context` axis: the ring), it runs in a shard_map over the mesh, each
+device holding T/c positions, as one of:
 
     ring       K/V blocks passed around the ring with ppermute, an online softmax, and the causal
                load balance of the zigzag order: the sequence in 2c chunks, device r holding
                chunks r and 2c-1-r, so every device does the same work at every ring step. Only
                O(T/c) per device is kept for the backward pass, which passes K/V and their
-               gradients around the ring again. seq_len must be a multiple of 2c.
-    allgather  K/V all-gathered over the ring; scores of T/c queries against all T keys. The
-               simplest, for small rings. seq_len a multiple of c.
-    alltoall   (Ulysses) an all-to-all from the sequence split to a head split, plain attention
-               on the whole sequence for heads/c heads, and an all-to-all back. The heads held
-               by a device (after `tensor`) must be a multiple of c.
+               gradients around the ring again. seq_len must be a multiple of 2c. A ring step
+               moves K/V of K heads (and their gradients in the backward pass).
+    allgather  K/V (K heads) all-gathered over the ring; scores of T/c queries against all T
+               keys. The simplest, for small rings. seq_len a multiple of c.
+    alltoall   (Ulysses) one all-to-all from the sequence split to a head split of q (N heads)
+               and k/v (K heads) together, plain attention on the whole sequence for N/c query
+               and K/c kv heads, and an all-to-all back. The kv heads held by a device (after
+               `tensor`) must be a multiple of c (for K = N: the heads).
+
+The rules must split `heads` and `kv` alike (ACT_RULES put both on `tensor`), so that a device's
+query heads use its own kv heads; K must be divisible by that split.
 
 Collective-permutes of one ring attention call, ring size c, counted in executions (the ring
 steps are a loop, so that one step's scores are alive at a time): forward c+3 (c-1 ring steps,
-two into the zigzag order and two back); backward 2c+3 (c-1 for K/V, c for their gradients,
-which travel with them and end at home, and the transposes of the four reorders). A ring of 2
-keeps its even chunks in place (two reorders fewer each way), and its one step is no loop, so
-the backward pass reuses the forward's shifted K/V: 3 and 4. `ring_permutes(c)`.
+two into the zigzag order and two back, q, k and v reordered as one array); backward 2c+3 (c-1
+for K/V, c for their gradients, which travel with them and end at home, and the transposes of
+the four reorders). A ring of 2 keeps its even chunks in place (two reorders fewer each way),
+and its one step is no loop, so the backward pass reuses the forward's shifted K/V: 3 and 4.
+`ring_permutes(c)`.
 
-Docs: docs/parallelism.md ("context") and docs/model_contract.md (a model of one's own).
+Docs: docs/parallelism.md ("context") and docs/model_contract.md (a model of one's own; the
+helpers' numerics).
 """
 
 from __future__ import annotations
@@ -43,7 +58,8 @@ import jax.numpy as jnp
 from jaxpar.engine.rules import _ACT, Rules, _as_tuple, activation_rules, logical_to_spec
 
 IMPLS: tuple[str, ...] = ("ring", "allgather", "alltoall")
-NAMES: tuple[str, ...] = ("batch", "seq", "heads", "head_dim")
+NAMES: tuple[str, ...] = ("batch", "seq", "heads", "head_dim")  # queries (and the output)
+KV_NAMES: tuple[str, ...] = ("batch", "seq", "kv", "head_dim")  # keys and values
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 # The calls of `attention` traced while `recording()` is open (their impl and ring size).
@@ -64,6 +80,46 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"model.attention={impl!r}: use one of {list(IMPLS)}")
 
 
+def kv_groups(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
+    """G = N/K, the query heads per kv head of q [B, T, N, H] and k, v [B, S, K, H]; ValueError
+    (one line naming the fix) for shapes that do not fit together."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"attention: q {q.shape}, k {k.shape} and v {v.shape} must be [batch, seq, heads, "
+            f"head_dim] with k and v of one shape; reshape them to 4 dimensions"
+        )
+    n, kv, h = q.shape[2], k.shape[2], q.shape[3]
+    if k.shape[3] != h:
+        raise ValueError(
+            f"attention: q's head_dim {h} differs from k/v's {k.shape[3]}; give q, k and v one "
+            f"head_dim"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"attention: q's batch {q.shape[0]} differs from k/v's {k.shape[0]}; give q, k and v "
+            f"one batch"
+        )
+    if kv == 0 or n % kv:
+        raise ValueError(
+            f"attention: q has {n} heads and k/v {kv}; the kv heads must divide the query heads "
+            f"(query head n uses kv head n // (N/K)): use a kv head count that divides {n}"
+        )
+    return n // kv
+
+
+def _scale(scale: float | None, h: int) -> jax.Array:
+    """The softmax scale in float32 (default 1/sqrt(head_dim))."""
+    if scale is None:
+        return 1.0 / jnp.sqrt(h).astype(jnp.float32)
+    return jnp.float32(scale)
+
+
+def _grouped(q_BTNH: jax.Array, groups: int) -> jax.Array:
+    """[B, T, N, H] -> [B, T, K, G, H]: query head n = k G + g uses kv head k."""
+    b, t, n, h = q_BTNH.shape
+    return q_BTNH.reshape(b, t, n // groups, groups, h)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout of rate `rate` keyed by `key` (identity without a key or at rate 0)."""
     if key is None or rate == 0.0:
@@ -72,17 +128,32 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
-def dense(q, k, v, *, causal: bool = True, dropout_rate: float = 0.0, dropout_key=None):
-    """Plain softmax attention of [B, T, N, H] queries, keys and values (softmax in float32)."""
-    h = q.shape[-1]
-    s_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(h).astype(q.dtype)
+def dense(
+    q, k, v, *, causal: bool = True, dropout_rate: float = 0.0, dropout_key=None,
+    scale: float | None = None,
+):  # fmt: skip
+    """Plain softmax attention of [B, T, N, H] queries and [B, S, K, H] keys and values (K
+    dividing N; softmax in float32) -> [B, T, N, H]."""
+    groups = kv_groups(q, k, v)
+    b, t, n, h = q.shape
+    if groups == 1:
+        s_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k)
+    else:
+        s_BNTS = jnp.einsum("btkgh,bskh->bkgts", _grouped(q, groups), k)
+        s_BNTS = s_BNTS.reshape(b, n, t, k.shape[1])
+    if scale is None:
+        s_BNTS = s_BNTS / jnp.sqrt(h).astype(q.dtype)
+    else:
+        s_BNTS = s_BNTS * jnp.asarray(scale, q.dtype)
     if causal:
-        t = q.shape[1]
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+        mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
         s_BNTS = jnp.where(mask, s_BNTS, jnp.finfo(s_BNTS.dtype).min)
     p_BNTS = jax.nn.softmax(s_BNTS.astype(jnp.float32), axis=-1).astype(q.dtype)
     p_BNTS = dropout(p_BNTS, dropout_rate, dropout_key)
-    return jnp.einsum("bnts,bsnh->btnh", p_BNTS, v)
+    if groups == 1:
+        return jnp.einsum("bnts,bsnh->btnh", p_BNTS, v)
+    p_BKGTS = p_BNTS.reshape(b, n // groups, groups, t, k.shape[1])
+    return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v).reshape(b, t, n, h)
 
 
 def ring_of_seq() -> tuple[str | None, int]:
@@ -176,6 +247,14 @@ def inspect_lines(calls: tuple, colls: list | None) -> list[str]:
     return out
 
 
+def _ways(spec, mesh) -> int:
+    """Devices a PartitionSpec entry splits a dimension over."""
+    ways = 1
+    for a in _as_tuple(spec):
+        ways *= mesh.shape[a]
+    return ways
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -185,25 +264,37 @@ def attention(
     causal: bool = True,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Softmax attention of q, k, v [B, T, N, H] (logical names NAMES) -> [B, T, N, H].
+    """Softmax attention of q [B, T, N, H] (logical names NAMES) and k, v [B, T, K, H]
+    (KV_NAMES), K dividing N (grouped-query attention; K = N multi-head) -> [B, T, N, H].
 
     `impl` picks the context-parallel kernel (IMPLS); with `seq` unsplit all three are `dense`.
-    Dropout on the attention probabilities is supported only there.
+    `scale` multiplies the scores (default 1/sqrt(H)). Dropout on the attention probabilities
+    is supported only with `seq` unsplit.
     """
     check_impl(impl)
+    groups = kv_groups(q, k, v)
     axis, ring = ring_of_seq()
     calls = _CALLS.get()
     if calls is not None:
         calls.append((impl, ring))
     if ring == 1:
-        return dense(q, k, v, causal=causal, dropout_rate=dropout_rate, dropout_key=dropout_key)
+        return dense(
+            q, k, v, causal=causal, dropout_rate=dropout_rate, dropout_key=dropout_key,
+            scale=scale,
+        )  # fmt: skip
     if dropout_rate and dropout_key is not None:
         raise ValueError(
             f"attention dropout (rate {dropout_rate}) is not supported with the sequence split "
             f"over {axis}={ring}; set --set model.dropout=0 or use {axis}=1"
         )
-    t, heads = q.shape[1], q.shape[2]
+    t, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    if k.shape[1] != t:
+        raise ValueError(
+            f"attention: q has {t} positions and k/v {k.shape[1]}; with the sequence split over "
+            f"{axis} they must be the same sequence (self-attention)"
+        )
     blocks = 2 * ring if impl == "ring" and causal else ring
     if t % blocks:
         why = " (x 2 for the causal balance of ring attention)" if blocks != ring else ""
@@ -213,22 +304,32 @@ def attention(
         )
     ctx = _ACT.get()
     spec = logical_to_spec(NAMES, ctx.rules, ctx.mesh, exclude=ctx.manual)
-    if impl == "alltoall":
-        head_ways = 1
-        for a in _as_tuple(spec[2] if len(spec) > 2 else None):
-            head_ways *= ctx.mesh.shape[a]
-        if (heads // head_ways) % ring:
-            raise ValueError(
-                f"attention=alltoall: the {heads // head_ways} heads per device (of {heads}) are "
-                f"not divisible by the {axis} ring of {ring}; use model.n_heads a multiple of "
-                f"{head_ways * ring}, or --set model.attention=ring"
-            )
+    kv_spec = logical_to_spec(KV_NAMES, ctx.rules, ctx.mesh, exclude=ctx.manual)
+    q_split, kv_split = (_as_tuple(s[2] if len(s) > 2 else None) for s in (spec, kv_spec))
+    head_ways = _ways(q_split, ctx.mesh)
+    if q_split != kv_split or kv_heads % head_ways:
+        raise ValueError(
+            f"attention: the rules split the {heads} query heads over {q_split or 'no axis'} "
+            f"and the {kv_heads} kv heads over {kv_split or 'no axis'}; a device's query heads "
+            f"need their own kv heads: give `kv` the rule of `heads` and a kv head count "
+            f"divisible by {head_ways}"
+        )
+    if impl == "alltoall" and (kv_heads // head_ways) % ring:
+        what = "heads" if groups == 1 else "kv heads"
+        field = "model.n_heads" if groups == 1 else "the kv head count (model.n_kv_heads)"
+        raise ValueError(
+            f"attention=alltoall: the {kv_heads // head_ways} {what} per device (of {kv_heads}) "
+            f"are not divisible by the {axis} ring of {ring}; use {field} a multiple of "
+            f"{head_ways * ring}, or --set model.attention=ring (or allgather)"
+        )
     kernel = {"ring": _ring, "allgather": _allgather, "alltoall": _alltoall}[impl]
-    local = functools.partial(kernel, axis=axis, ring=ring, causal=causal)
+    local = functools.partial(
+        kernel, axis=axis, ring=ring, causal=causal, scale=None if scale is None else float(scale)
+    )
     mesh = jax.sharding.get_abstract_mesh() if ctx.manual else ctx.mesh
     auto = {a for a in ctx.mesh.axis_names if a not in ctx.manual}
     out = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=auto,
+        local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec, axis_names=auto,
         check_vma=False,
     )(q, k, v)  # fmt: skip
     return out
@@ -242,25 +343,35 @@ def _visible(t_local: int, span: int, offset) -> jax.Array:
     return jnp.arange(span)[None, :] <= offset + jnp.arange(t_local)[:, None]
 
 
-def _allgather(q, k, v, *, axis: str, ring: int, causal: bool):
+def _allgather(q, k, v, *, axis: str, ring: int, causal: bool, scale: float | None):
+    # Only the K kv heads travel: [2, B, T/c, K, H] -> [2, B, T, K, H].
     kv = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
-    t = q.shape[1]
-    scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-    s_BNTS = jnp.einsum("btnh,bsnh->bnts", q, kv[0], preferred_element_type=jnp.float32) * scale
+    b, t, n, h = q.shape
+    q_BTKGH = _grouped(q, n // k.shape[2])
+    s = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, kv[0], preferred_element_type=jnp.float32)
+    s = s * _scale(scale, h)
     if causal:
         mask = _visible(t, kv.shape[2], jax.lax.axis_index(axis) * t)
-        s_BNTS = jnp.where(mask, s_BNTS, _NEG)
-    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(q.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", p_BNTS, kv[1])
+        s = jnp.where(mask, s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p, kv[1]).reshape(b, t, n, h)
 
 
 # ---- all-to-all (Ulysses) ----------------------------------------------------------------------
 
 
-def _alltoall(q, k, v, *, axis: str, ring: int, causal: bool):
-    # [3, B, T/c, N, H] -> [3, B, T, N/c, H]: sequence split traded for a head split.
-    qkv = jax.lax.all_to_all(jnp.stack([q, k, v]), axis, 3, 2, tiled=True)
-    o = dense(qkv[0], qkv[1], qkv[2], causal=causal)
+def _alltoall(q, k, v, *, axis: str, ring: int, causal: bool, scale: float | None):
+    # q [B, T/c, N, H], k and v [B, T/c, K, H] -> one all-to-all of the heads in c groups: group
+    # j (N/c query heads, then K/c keys and K/c values) goes to device j, which gets the whole
+    # sequence of its groups [B, T, 1, (N + 2K)/c, H]. Query group j uses kv group j.
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    nc, kc = n // ring, kv // ring
+    parts = [x.reshape(b, t, ring, x.shape[2] // ring, h) for x in (q, k, v)]
+    qkv = jax.lax.all_to_all(jnp.concatenate(parts, axis=3), axis, 2, 1, tiled=True)
+    qkv = qkv[:, :, 0]
+    q, k, v = qkv[:, :, :nc], qkv[:, :, nc : nc + kc], qkv[:, :, nc + kc :]
+    o = dense(q, k, v, causal=causal, scale=scale)
     return jax.lax.all_to_all(o, axis, 1, 2, tiled=True)
 
 
@@ -307,17 +418,22 @@ def _from_zigzag(x, axis: str, ring: int):
     return jnp.concatenate([even, odd], axis=-3)
 
 
-def _ring(q, k, v, *, axis: str, ring: int, causal: bool):
+def _ring(q, k, v, *, axis: str, ring: int, causal: bool, scale: float | None):
+    b, t, n, h = q.shape
+    kv = k.shape[2]
     if not causal:
-        return _ring_core(q, k, v, axis, ring, False)
-    qkv = _to_zigzag(jnp.stack([q, k, v]), axis, ring)
-    o = _ring_core(qkv[0], qkv[1], qkv[2], axis, ring, True)
-    return _from_zigzag(o, axis, ring)
+        o = _ring_core(_grouped(q, n // kv), k, v, axis, ring, False, scale)
+        return o.reshape(b, t, n, h)
+    # q, k and v reordered as one array [B, T/c, N + 2K, H] (two permutes each way, not six).
+    qkv = _to_zigzag(jnp.concatenate([q, k, v], axis=2), axis, ring)
+    q, k, v = qkv[:, :, :n], qkv[:, :, n : n + kv], qkv[:, :, n + kv :]
+    o = _ring_core(_grouped(q, n // kv), k, v, axis, ring, True, scale)
+    return _from_zigzag(o.reshape(b, t, n, h), axis, ring)
 
 
-def _scores(q, k):
-    scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-    return jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+def _scores(q_BTKGH, k_BSKH, scale):
+    s = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    return s * _scale(scale, q_BTKGH.shape[-1])
 
 
 def _blocks(step, axis: str, ring: int, causal: bool, fn: Callable, carry, q, kv):
@@ -352,33 +468,37 @@ def _blocks(step, axis: str, ring: int, causal: bool, fn: Callable, carry, q, kv
     return jax.lax.cond(src < jax.lax.axis_index(axis), earlier, later, carry)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring_core(q, k, v, axis: str, ring: int, causal: bool):
-    return _ring_fwd(q, k, v, axis, ring, causal)[0]
+# Shapes inside the ring: q and the output [B, T, K, G, H] (G = N/K query heads per kv head),
+# k and v [B, T, K, H], the softmax statistics [B, K, G, T], scores [B, K, G, T, S].
 
 
-def _ring_fwd(q, k, v, axis, ring, causal):
-    b, t, n, h = q.shape
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring_core(q, k, v, axis: str, ring: int, causal: bool, scale: float | None):
+    return _ring_fwd(q, k, v, axis, ring, causal, scale)[0]
+
+
+def _ring_fwd(q, k, v, axis, ring, causal, scale):
+    b, t, kv_heads, g, h = q.shape
     acc = (
-        jnp.zeros((b, t, n, h), jnp.float32),
-        jnp.full((b, n, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, n, t), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((b, kv_heads, g, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kv_heads, g, t), jnp.float32),
     )
 
     def update(acc, q_rows, kv, rows, cols, mask):
         o, m, l_ = acc
-        s = _scores(q_rows, kv[0])
+        s = _scores(q_rows, kv[0], scale)
         if mask is not None:
             s = jnp.where(mask, s, _NEG)
-        m_old, l_old, o_old = m[:, :, rows], l_[:, :, rows], o[:, rows]
+        m_old, l_old, o_old = m[..., rows], l_[..., rows], o[:, rows]
         m_new = jnp.maximum(m_old, s.max(-1))
         corr = jnp.exp(m_old - m_new)
         p = jnp.exp(s - m_new[..., None])
         l_new = l_old * corr + p.sum(-1)
-        pv = jnp.einsum("bnts,bsnh->btnh", p.astype(kv.dtype), kv[1],
+        pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(kv.dtype), kv[1],
                         preferred_element_type=jnp.float32)  # fmt: skip
-        o_new = o_old * jnp.swapaxes(corr, 1, 2)[..., None] + pv
-        return o.at[:, rows].set(o_new), m.at[:, :, rows].set(m_new), l_.at[:, :, rows].set(l_new)
+        o_new = o_old * jnp.moveaxis(corr, -1, 1)[..., None] + pv
+        return o.at[:, rows].set(o_new), m.at[..., rows].set(m_new), l_.at[..., rows].set(l_new)
 
     # Step 0 on the local block, then a loop (one step's scores live at a time): shift, attend.
     kv = jnp.stack([k, v])
@@ -391,30 +511,31 @@ def _ring_fwd(q, k, v, axis, ring, causal):
 
     acc, _ = jax.lax.fori_loop(1, ring, step, (acc, kv))
     o, m, l_ = acc
-    out = (o / jnp.swapaxes(l_, 1, 2)[..., None]).astype(q.dtype)
+    out = (o / jnp.moveaxis(l_, -1, 1)[..., None]).astype(q.dtype)
     lse = m + jnp.log(l_)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis, ring, causal, res, d_out):
+def _ring_bwd(axis, ring, causal, scale, res, d_out):
     q, k, v, out, lse = res
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     do = d_out.astype(q.dtype)
+    ds_scale = _scale(scale, q.shape[-1])
 
     def grads(carry, q_rows, kv, rows, cols, mask):
         dq, dkv = carry
-        s = _scores(q_rows, kv[0])
-        p = jnp.exp(s - lse[:, :, rows][..., None])
+        s = _scores(q_rows, kv[0], scale)
+        p = jnp.exp(s - lse[..., rows][..., None])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         do_rows = do[:, rows]
-        dv = jnp.einsum("bnts,btnh->bsnh", p.astype(do.dtype), do_rows,
+        dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(do.dtype), do_rows,
                         preferred_element_type=jnp.float32)  # fmt: skip
-        dp = jnp.einsum("btnh,bsnh->bnts", do_rows, kv[1], preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[:, :, rows][..., None]) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-        dq_rows = jnp.einsum("bnts,bsnh->btnh", ds.astype(q.dtype), kv[0],
+        dp = jnp.einsum("btkgh,bskh->bkgts", do_rows, kv[1], preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., rows][..., None]) * ds_scale
+        dq_rows = jnp.einsum("bkgts,bskh->btkgh", ds.astype(q.dtype), kv[0],
                              preferred_element_type=jnp.float32)  # fmt: skip
-        dk = jnp.einsum("bnts,btnh->bsnh", ds.astype(q.dtype), q_rows,
+        dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q_rows,
                         preferred_element_type=jnp.float32)  # fmt: skip
         dq = dq.at[:, rows].add(dq_rows)
         dkv = dkv.at[:, :, cols].add(jnp.stack([dk, dv]))

@@ -343,7 +343,9 @@ def _add_data_parser(sub) -> None:
     pre.add_argument("--vocab-size", type=int, default=None,
                      help="BPE vocabulary, 257..1048576 (default 4096)")  # fmt: skip
     pre.add_argument("--val-fraction", type=float, default=0.05, help="share of bytes for val")
-    pre.add_argument("--tokenizer", default=None, help="use this tokenizer.json, do not train one")
+    pre.add_argument("--tokenizer", default=None, metavar="HF_DIR",
+                     help="use a model's tokenizer as it is (a Hugging Face model folder or its "
+                          "tokenizer.json), do not train one")  # fmt: skip
     pre.add_argument("--shard-tokens", type=_int_at_least(1), default=100_000_000,
                      help="tokens per shard")  # fmt: skip
     pre.add_argument("--no-progress", action="store_true", help="no progress display")

@@ -25,24 +25,46 @@ class Codec:
 
     @classmethod
     def from_file(cls, path: str) -> Codec:
-        """The codec of a tokenizer.json; ValueError when it is unreadable."""
+        """The codec of a tokenizer.json, or of the one in folder `path` (a Hugging Face model
+        folder); ValueError when it is unreadable."""
         from jaxpar.data.prepare import load_tokenizer  # imports `tokenizers` only when needed
 
         return cls(load_tokenizer(path))
 
     @property
     def vocab_size(self) -> int:
-        return BYTE_VOCAB if self.tokenizer is None else self.tokenizer.get_vocab_size()
+        if self.tokenizer is None:
+            return BYTE_VOCAB
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        """The ids of `text`, with the special tokens the tokenizer adds itself (its
+        post-processor: Llama 3's <|begin_of_text|>), as `jaxpar data prepare` writes them."""
+        return self.encode_shown(text)[0]
+
+    def encode_shown(self, text: str) -> tuple[list[int], list[int]]:
+        """(`encode(text)`, the same ids less those the tokenizer added: what to show of it)."""
         if self.tokenizer is None:
-            return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = list(text.encode("utf-8"))
+            return ids, ids
+        enc = self.tokenizer.encode(text)
+        mask = enc.special_tokens_mask
+        return enc.ids, [i for i, added in zip(enc.ids, mask, strict=True) if not added]
 
     def decode(self, ids: list[int]) -> str:
+        """Text of `ids`; special tokens (an end-of-text) are shown as their text."""
         if self.tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def encode_prompt(codec: Any, text: str) -> tuple[list[int], list[int]]:
+    """(the ids a model is given for `text`, the ids to decode for showing it) for any codec: a
+    `Codec` leaves out the special tokens its tokenizer added (a BOS), another shows them all."""
+    if isinstance(codec, Codec):
+        return codec.encode_shown(text)
+    ids = list(codec.encode(text))
+    return ids, ids
 
 
 def codec_of(source: Any, path: str = "") -> Any | None:

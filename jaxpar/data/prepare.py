@@ -1,9 +1,10 @@
 """`jaxpar data prepare`: text files -> a byte-level BPE tokenizer -> token shards + meta.json.
 
     jaxpar data prepare INPUT... --out DIR [--vocab-size N] [--val-fraction F]
-                        [--tokenizer tokenizer.json] [--shard-tokens N]
+                        [--tokenizer HF_DIR_OR_TOKENIZER_JSON] [--shard-tokens N]
 
-What it reads and writes: docs/data.md, "Preparing a corpus" and "The token-file format".
+What it reads and writes: docs/data.md, "Preparing a corpus", "Preparing data with a model's own
+tokenizer" and "The token-file format".
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ import numpy as np
 
 from jaxpar.data.tokens import FORMAT, META, VERSION
 from jaxpar.rundir.ownership import check_path
+from jaxpar.rundir.runlog import read_json_object
 
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB = 4096
 MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
 MAX_VOCAB = 1 << 20  # past any BPE vocabulary in use; the trainer aborts the process near 1e9
+TOKENIZER_FILE = "tokenizer.json"  # in a Hugging Face model folder, and in --out
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside it in a Hugging Face model folder: eos_token
+MAX_TOKENIZER_BYTES = 64 << 20  # Llama 3's tokenizer.json is 9 MB; larger is refused
 _DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 _SKIP_DIRS = ("__pycache__",)
 _ENCODE_CHUNK = 256  # documents per encode_batch call (tokenizers runs them in parallel)
@@ -172,14 +177,96 @@ def pieces(text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-def load_tokenizer(path: str):
-    """A tokenizer.json (Hugging Face tokenizers); ValueError when unreadable."""
+def tokenizer_path(path: str) -> str:
+    """The tokenizer.json that --tokenizer `path` names: the file itself, or the one inside the
+    folder `path` (a Hugging Face model folder); ValueError naming the fix when there is none."""
+    fix = "give a Hugging Face model folder holding tokenizer.json, or a tokenizer.json file"
+    if os.path.isdir(path):
+        path = os.path.join(path, TOKENIZER_FILE)
+        if not os.path.exists(path):
+            folder = os.path.dirname(path)
+            spm = os.path.exists(os.path.join(folder, "tokenizer.model"))
+            note = " (its tokenizer.model, a SentencePiece file, is not read)" if spm else ""
+            raise ValueError(
+                f"--tokenizer {folder}: the folder has no {TOKENIZER_FILE}{note}; {fix}"
+            )
+    if not os.path.isfile(path):
+        why = "no such file or folder" if not os.path.exists(path) else "not a regular file"
+        raise ValueError(f"--tokenizer {path}: {why}; {fix}")
+    return path
+
+
+def read_tokenizer(path: str):
+    """(tokenizer, the bytes of its file) for --tokenizer `path` (`tokenizer_path`).
+
+    The file is untrusted input: it is read once, up to MAX_TOKENIZER_BYTES, and parsed by
+    Hugging Face `tokenizers`; anything else is a ValueError of one line naming the file."""
     from tokenizers import Tokenizer
 
+    path = tokenizer_path(path)
+    bad = f"--tokenizer {path}: not a readable {TOKENIZER_FILE}"
+    fix = "give the tokenizer.json a Hugging Face model ships (or one jaxpar data prepare wrote)"
     try:
-        return Tokenizer.from_file(path)
+        with open(path, "rb") as f:
+            blob = f.read(MAX_TOKENIZER_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{bad} ({e.strerror}); {fix}") from None
+    if len(blob) > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{bad} (larger than {MAX_TOKENIZER_BYTES >> 20} MiB); {fix}")
+    try:
+        return Tokenizer.from_str(blob.decode("utf-8")), blob
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions for bad files
-        raise ValueError(f"--tokenizer {path}: not a readable tokenizer.json ({e})") from None
+        why = " ".join(str(e).split())[:200]  # one line, bounded
+        raise ValueError(f"{bad} ({why}); {fix}") from None
+
+
+def load_tokenizer(path: str):
+    """A tokenizer.json (Hugging Face tokenizers), or the one in folder `path`; ValueError when
+    unreadable (`read_tokenizer`)."""
+    return read_tokenizer(path)[0]
+
+
+def eos_token(path: str) -> str | None:
+    """The end-of-text token that the tokenizer_config.json beside tokenizer.json `path` names
+    (`eos_token`: a string, or an object with `content`), or None when there is no such file or
+    it names none. The file is untrusted: read bounded, and anything but those shapes is refused."""
+    config = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
+    if not os.path.exists(config):
+        return None
+    hint = f"; fix or remove it (then {EOT} separates the documents)"
+    eos = read_json_object(config, TOKENIZER_CONFIG, hint).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is None:
+        return None
+    if not isinstance(eos, str) or not eos:
+        raise ValueError(f"{config}: eos_token {str(eos)[:80]!r} is not a token{hint}")
+    return eos
+
+
+def end_of_text(tok, path: str | None) -> int:
+    """The id that ends each document: the eos_token of tokenizer.json `path` (`eos_token`), else
+    <|endoftext|> (what a trained tokenizer has); ValueError naming the fix when it has none."""
+    eos = eos_token(path) if path else None
+    eot = tok.token_to_id(eos or EOT)
+    if eot is not None:
+        return eot
+    if eos:
+        raise ValueError(
+            f"--tokenizer {path}: {TOKENIZER_CONFIG} names eos_token {eos[:80]!r}, which is not "
+            f"in its {TOKENIZER_FILE}; give the folder the model shipped"
+        )
+    raise ValueError(
+        f"--tokenizer {path}: no end-of-text token (no eos_token in a {TOKENIZER_CONFIG} beside "
+        f"it, and no {EOT}); add eos_token to {TOKENIZER_CONFIG} or {EOT} to the tokenizer"
+    )
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of the token files: uint16 while every id fits (vocab <= 65536), else uint32."""
+    if not 2 <= vocab_size <= 1 << 32:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens: jaxpar token files hold 2..2**32")
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 class _Bar:
@@ -239,13 +326,29 @@ class _ShardWriter:
 
 
 def _encode(tok, texts: list[str], writer: _ShardWriter, eot: int, bar: _Bar) -> int:
+    """Each text's ids, then `eot`: the ids `tok.encode(text)` gives, with the special tokens
+    the tokenizer adds itself (its post-processor: Llama 3's <|begin_of_text|>); `eot` is not
+    repeated when the post-processor already ended the text with it."""
+    from tokenizers import Encoding
+
     count = 0
+    post = tok.post_processor is not None
     for i in range(0, len(texts), _ENCODE_CHUNK):
         chunk = texts[i : i + _ENCODE_CHUNK]
         cut = [pieces(t) for t in chunk]
-        encoded = iter(tok.encode_batch([p for ps in cut for p in ps], add_special_tokens=False))
+        whole = iter(tok.encode_batch([ps[0] for ps in cut if len(ps) == 1]))
+        parts = iter(
+            tok.encode_batch([p for ps in cut if len(ps) > 1 for p in ps], add_special_tokens=False)
+        )
         for ps in cut:
-            ids = np.asarray([t for _ in ps for t in next(encoded).ids] + [eot], np.int64)
+            if len(ps) == 1:
+                doc = next(whole)
+            else:  # the pieces joined, then post-processed as one text
+                doc = Encoding.merge([next(parts) for _ in ps], growing_offsets=True)
+                doc = tok.post_process(doc) if post else doc
+            ids = doc.ids
+            ended = post and bool(ids) and ids[-1] == eot and doc.special_tokens_mask[-1] == 1
+            ids = np.asarray(ids if ended else [*ids, eot], np.int64)
             writer.write(ids)
             count += len(ids)
         bar.add(sum(len(t.encode("utf-8")) for t in chunk))
@@ -273,12 +376,22 @@ def prepare(
     """Tokenize `inputs` into `out` (see the module docstring); returns the meta.json dict."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if tokenizer and vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size {vocab_size} with --tokenizer {tokenizer}: the tokenizer fixes the "
+            "vocabulary; drop --vocab-size"
+        )
     if vocab_size is not None:
         check_vocab_size(vocab_size)
     check_path(out, option="--out")
     if os.path.exists(os.path.join(out, META)):
         raise ValueError(f"--out {out} already holds a prepared corpus ({META}); use a new folder")
     t0 = time.time()
+    tok = tok_blob = None
+    if tokenizer:  # used as it is, checked before any input is read
+        tok_file = tokenizer_path(tokenizer)
+        tok, tok_blob = read_tokenizer(tok_file)
+        eot = end_of_text(tok, tok_file)
     files, not_files = input_files(inputs)
     docs, skipped = read_docs(files)
     skipped = not_files + skipped
@@ -288,22 +401,13 @@ def prepare(
             f"the input ({sum(d.nbytes for d in docs)} bytes) is too small to split with "
             f"--val-fraction {val_fraction}; give more text"
         )
-    if tokenizer:
-        tok = load_tokenizer(tokenizer)
-        if vocab_size is not None and vocab_size != tok.get_vocab_size():
-            raise ValueError(
-                f"--vocab-size {vocab_size} but --tokenizer {tokenizer} has "
-                f"{tok.get_vocab_size()} entries; drop --vocab-size"
-            )
-    else:
+    if tok is None:
         tok = train_tokenizer(
             list(_chunks(train)), DEFAULT_VOCAB if vocab_size is None else vocab_size, progress
         )
-    eot = tok.token_to_id(EOT)
-    if eot is None:
-        raise ValueError(f"the tokenizer has no {EOT} token; add it as a special token")
-    vocab = tok.get_vocab_size()
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        eot = end_of_text(tok, None)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab)
     os.makedirs(out, exist_ok=True)
     bar = _Bar(sum(len(t.encode("utf-8")) for t in train + val), progress)
     shards, counts = {}, {}
@@ -315,11 +419,15 @@ def prepare(
         finally:
             shards[name] = writer.close()
     encode_seconds = time.time() - t_encode
-    tok.save(os.path.join(out, "tokenizer.json"))
+    if tok_blob is None:
+        tok.save(os.path.join(out, TOKENIZER_FILE))
+    else:  # the given file, byte for byte
+        with open(os.path.join(out, TOKENIZER_FILE), "wb") as f:
+            f.write(tok_blob)
     meta = {
         "format": FORMAT, "version": VERSION, "dtype": dtype.name, "byte_order": "little",
         "vocab_size": vocab, "eot_id": eot, "tokens": counts, "shards": shards,
-        "tokenizer": "tokenizer.json", "val_fraction": val_fraction,
+        "tokenizer": TOKENIZER_FILE, "val_fraction": val_fraction,
         "sources": [{"path": d.path, "bytes": d.nbytes, "sha256": d.sha256} for d in docs],
         "skipped": skipped, "input_bytes": sum(d.nbytes for d in docs),
         "seconds": time.time() - t0, "encode_seconds": encode_seconds,

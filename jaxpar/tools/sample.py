@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.data.codec import Codec, codec_of  # Codec: also importable from here, as before
+from jaxpar.data.codec import Codec, codec_of, encode_prompt  # Codec: importable from here too
 from jaxpar.data.sources import source_label
 from jaxpar.tools import finished_run
 
@@ -136,7 +136,7 @@ def sample(
             f"the tokenizer has {codec.vocab_size} tokens but the model only {vocab}; use the "
             "tokenizer the run trained with"
         )
-    ids = codec.encode(prompt)
+    ids, shown = encode_prompt(codec, prompt)  # shown: less a BOS the tokenizer added
     if not ids:
         raise ValueError("--prompt is empty; give some text to continue")
     room = context - len(ids)
@@ -154,4 +154,4 @@ def sample(
     new = generate(
         model, ids, n, temperature=temperature, top_k=top_k, seed=seed, vocab=codec.vocab_size
     )
-    return codec.decode(ids + new)
+    return codec.decode(shown + new)

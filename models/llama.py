@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.config import NON_NEGATIVE, POSITIVE, Range
 from jaxpar.engine.attention import attention, check_impl
 from jaxpar.engine.rules import constrain
 from jaxpar.models.gpt import REMAT_POLICIES, _init, _param, block_at
@@ -63,6 +64,12 @@ class LlamaConfig:
     attention: str = "ring"  # the context-parallel kernel: ring | allgather | alltoall
 
     NOT_HASHED: ClassVar[tuple[str, ...]] = ("remat", "attention")
+    # Fields whose allowed values differ from jaxpar's defaults for a model (ints >= 1).
+    RANGES: ClassVar[dict] = {
+        "head_dim": NON_NEGATIVE, "sliding_window": NON_NEGATIVE, "norm_eps": POSITIVE,
+        "rope_theta": POSITIVE, "rope_factor": Range(1), "init_std": POSITIVE,
+        "rope_scaling": ROPE_SCALINGS,
+    }  # fmt: skip
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:

@@ -119,9 +119,11 @@ def make_source(cfg: TrainConfig) -> data_lib.Source:
 
 
 def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
-    """A source that fixes its vocabulary (a trained tokenizer) must match the model's."""
+    """A source that fixes its vocabulary (a trained tokenizer) needs a model whose table holds
+    every id: a vocabulary at least as large (a larger one is a padded table, as Hugging Face
+    checkpoints have: Qwen3's 151,936 entries for its tokenizer's 151,669)."""
     want, have = getattr(source, "vocab_size", None), getattr(cfg.model, "vocab_size", None)
-    if getattr(source, "vocab_fixed", False) and have is not None and want != have:
+    if getattr(source, "vocab_fixed", False) and have is not None and want > have:
         raise ValueError(
             f"model.vocab_size={have} but the data ({data_lib.describe(source)}) has a vocabulary "
             f"of {want}; set --set model.vocab_size={want} (python -m train takes it from the data "
@@ -132,12 +134,13 @@ def check_vocab(cfg: TrainConfig, source: data_lib.Source) -> None:
 def vocab_from_data(cfg: TrainConfig, explicit: bool = False) -> TrainConfig:
     """`cfg` with the model's vocab_size taken from a source that fixes it (tokens' meta.json).
 
-    explicit: model.vocab_size was given by the user; a mismatch is then an error."""
+    explicit: model.vocab_size was given by the user; a smaller one is then an error. A model
+    vocabulary larger than the data's is kept (a padded table, e.g. a checkpoint's)."""
     if not hasattr(cfg.model, "vocab_size"):
         return cfg
     source = make_source(cfg)
     want = getattr(source, "vocab_size", None)
-    if explicit or not getattr(source, "vocab_fixed", False) or want == cfg.model.vocab_size:
+    if explicit or not getattr(source, "vocab_fixed", False) or want <= cfg.model.vocab_size:
         check_vocab(cfg, source)
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=want))

@@ -2,12 +2,25 @@
 
     y_BTD, stats = moe_ffn(x_BTD, router_DE, w_in_EDF, b_in_EF, w_out_EFD, b_out_ED,
                            top_k=2, capacity_factor=1.25)
+    y_BTD, stats = moe_ffn(x_BTD, router_DE, w_up_EDF, None, w_down_EFD, None, top_k=8,
+                           capacity_factor=1.25, w_gate_EDF=w_gate_EDF, activation="silu",
+                           normalize_top_k=True)       (SwiGLU experts: Mixtral, Qwen3-MoE)
 
 A model's MoE layer calls `moe_ffn` with its activations and its weights (the expert weights
-carry the logical axis `expert` first). Routing is per sequence: each row of the batch routes its
-T tokens, and each expert takes at most C = ceil(capacity_factor * T * top_k / E) of them (the
-first choices of every token before any second choice, then in token order); a token over
-capacity is dropped for that expert (its residual path carries it) and counted. Because a
+carry the logical axis `expert` first). The router's logits x @ router are taken in float32, a
+softmax over all E experts gives each token's probabilities, and each token picks its top_k
+(1 <= top_k <= E) experts. Their weights are the chosen probabilities renormalised to sum to 1
+(`normalize_top_k=True`: Mixtral, Qwen3-MoE's norm_topk_prob) or the raw probabilities
+(False); the default None keeps jaxpar's original rule: raw with top_k = 1, renormalised with
+top_k > 1. An expert is `act(x @ w_in + b_in) @ w_out + b_out`, or with `w_gate_EDF` the gated
+`(act(x @ w_gate) * (x @ w_in + b_in)) @ w_out + b_out` (SwiGLU with activation="silu"); any
+bias may be None (none). ACTIVATIONS: gelu_tanh (the default, jax.nn.gelu's tanh
+approximation), gelu (exact, erf), silu, relu.
+
+Routing is per sequence: each row of the batch routes its T tokens, and each expert takes at
+most C = ceil(capacity_factor * T * top_k / E) of them (every token's first choice before any
+token's second choice, and so on, in token order); a token over capacity is dropped for that
+expert (its residual path carries it; its other experts still count) and counted. Because a
 sequence never spans devices, the result is the same on every layout.
 
 Two paths compute it:
@@ -30,6 +43,8 @@ and `load` [E] (the share of assignments routed to each expert, before capacity)
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +54,14 @@ from jax.sharding import PartitionSpec
 from jaxpar.engine.rules import _ACT, _as_tuple, logical_to_spec
 
 EXPERT = "expert"  # the mesh axis (and logical axis) of the experts
+
+# The experts' activation functions, by the name `moe_ffn(activation=...)` takes.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
 
 
 def active_mesh() -> tuple[jax.sharding.Mesh, tuple[str, ...], tuple[str, ...]] | None:
@@ -58,8 +81,11 @@ def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) ->
 
 def check_config(n_experts: int, top_k: int, capacity_factor: float) -> None:
     """ValueError (one line naming the fix) for a router that cannot be built."""
-    if top_k not in (1, 2):
-        raise ValueError(f"model.top_k={top_k}: use 1 or 2 (--set model.top_k=2)")
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(
+            f"model.top_k={top_k!r}: use an integer from 1 to model.n_experts={n_experts} "
+            f"(experts per token, e.g. --set model.top_k=2)"
+        )
     if top_k > n_experts:
         raise ValueError(
             f"model.top_k={top_k} is more than model.n_experts={n_experts}: each token picks "
@@ -98,22 +124,35 @@ def check_mesh(param_template, mesh_shape) -> None:
             )
 
 
-def route(logits_BTE: jax.Array, top_k: int, cap: int):
-    """(dispatch_BTEC, combine_BTEC, stats) of router logits (float32), per row of the batch."""
+def check_activation(activation: str) -> Callable[[jax.Array], jax.Array]:
+    """The activation function named `activation`; ValueError (one line) listing the names."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: use one of {list(ACTIVATIONS)}")
+    return ACTIVATIONS[activation]
+
+
+def route(logits_BTE: jax.Array, top_k: int, cap: int, normalize_top_k: bool | None = None):
+    """(dispatch_BTEC, combine_BTEC, stats) of router logits (float32), per row of the batch.
+
+    `normalize_top_k`: True, the chosen experts' probabilities renormalised to sum to 1; False,
+    the raw probabilities; None, raw with top_k = 1 and renormalised with top_k > 1."""
     b, t, e = logits_BTE.shape
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     gates_BTK, idx_BTK = jax.lax.top_k(probs_BTE, top_k)
-    if top_k > 1:  # the chosen experts' weights sum to 1
+    if normalize_top_k or (normalize_top_k is None and top_k > 1):
         gates_BTK = gates_BTK / gates_BTK.sum(-1, keepdims=True)
-    # Priority: every token's first choice, then every token's second choice, in token order.
+    # Priority: every token's first choice, then every token's second choice, ..., in token
+    # order. A token's top_k experts are distinct, so each (token, expert) has one choice at most.
     mask_BKTE = jax.nn.one_hot(idx_BTK.swapaxes(1, 2), e, dtype=jnp.int32)
     flat_BNE = mask_BKTE.reshape(b, top_k * t, e)
     pos_BNE = jnp.cumsum(flat_BNE, axis=1) - 1
     kept_BNE = flat_BNE * (pos_BNE < cap)
-    slot_BNEC = jax.nn.one_hot(jnp.where(kept_BNE > 0, pos_BNE, -1), cap, dtype=jnp.float32)
-    slot_BKTEC = slot_BNEC.reshape(b, top_k, t, e, cap)
-    dispatch_BTEC = slot_BKTEC.sum(1)
-    combine_BTEC = jnp.einsum("bktec,btk->btec", slot_BKTEC, gates_BTK)
+    kept_BTE = kept_BNE.reshape(b, top_k, t, e).sum(1)
+    pos_BTE = (pos_BNE * flat_BNE).reshape(b, top_k, t, e).sum(1)
+    dispatch_BTEC = jax.nn.one_hot(jnp.where(kept_BTE > 0, pos_BTE, -1), cap, dtype=jnp.float32)
+    # Elementwise, not a matmul (whose default precision may round the weights on accelerators).
+    gates_BTE = (mask_BKTE.swapaxes(1, 2) * gates_BTK[..., None]).sum(2)
+    combine_BTEC = dispatch_BTEC * gates_BTE[..., None]
     assigned_BE = flat_BNE.sum(1).astype(jnp.float32)
     load_BE = assigned_BE / (t * top_k)
     stats = {
@@ -125,46 +164,85 @@ def route(logits_BTE: jax.Array, top_k: int, cap: int):
     return dispatch_BTEC, combine_BTEC, stats
 
 
-def _experts(x_BECD, w_in_EDF, b_in_EF, w_out_EFD, b_out_ED):
-    h_BECF = jnp.einsum("becd,edf->becf", x_BECD, w_in_EDF) + b_in_EF[:, None, :]
-    h_BECF = jax.nn.gelu(h_BECF)
-    return jnp.einsum("becf,efd->becd", h_BECF, w_out_EFD) + b_out_ED[:, None, :]
+def _experts(x_BECD, w: dict, act: Callable):
+    """Each expert on its slots: `w` holds w_in, w_out and those of b_in, b_out, w_gate given."""
+    h_BECF = jnp.einsum("becd,edf->becf", x_BECD, w["w_in"])
+    if "b_in" in w:
+        h_BECF = h_BECF + w["b_in"][:, None, :]
+    if "w_gate" in w:
+        h_BECF = act(jnp.einsum("becd,edf->becf", x_BECD, w["w_gate"])) * h_BECF
+    else:
+        h_BECF = act(h_BECF)
+    y_BECD = jnp.einsum("becf,efd->becd", h_BECF, w["w_out"])
+    if "b_out" in w:
+        y_BECD = y_BECD + w["b_out"][:, None, :]
+    return y_BECD
 
 
-def _local(x_BTD, router_DE, weights, top_k, capacity_factor, exchange):
+def _local(x_BTD, router_DE, weights, top_k, capacity_factor, normalize_top_k, exchange):
     """Route, dispatch, apply the experts (via `exchange`), combine: (y_BTD, stats)."""
     e, t = router_DE.shape[1], x_BTD.shape[1]
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD, router_DE).astype(jnp.float32)
-    dispatch, combine, stats = route(logits_BTE, top_k, capacity(t, e, top_k, capacity_factor))
+    cap = capacity(t, e, top_k, capacity_factor)
+    dispatch, combine, stats = route(logits_BTE, top_k, cap, normalize_top_k)
     x_BECD = jnp.einsum("btec,btd->becd", dispatch.astype(x_BTD.dtype), x_BTD)
     y_BECD = exchange(x_BECD, weights)
     y_BTD = jnp.einsum("btec,becd->btd", combine.astype(y_BECD.dtype), y_BECD)
     return y_BTD, stats
 
 
+def _check_weights(router_DE, weights: dict) -> None:
+    """ValueError (one line) for expert weights whose shapes do not fit the router."""
+    d, e = router_DE.shape
+    f = weights["w_in"].shape[-1]
+    want = {"w_in": (e, d, f), "w_gate": (e, d, f), "w_out": (e, f, d), "b_in": (e, f),
+            "b_out": (e, d)}  # fmt: skip
+    for name, w in weights.items():
+        if tuple(w.shape) != want[name]:
+            raise ValueError(
+                f"moe_ffn: {name} has shape {tuple(w.shape)}, expected {want[name]} for a router "
+                f"[D={d}, E={e}] and w_in [E, D, F={f}]; give the expert weights the shapes "
+                f"[E, D, F] (w_in, w_gate), [E, F, D] (w_out), [E, F] (b_in), [E, D] (b_out)"
+            )
+
+
 def moe_ffn(
     x_BTD: jax.Array,
     router_DE: jax.Array,
     w_in_EDF: jax.Array,
-    b_in_EF: jax.Array,
+    b_in_EF: jax.Array | None,
     w_out_EFD: jax.Array,
-    b_out_ED: jax.Array,
+    b_out_ED: jax.Array | None,
     *,
     top_k: int,
     capacity_factor: float,
     dense: bool = False,
+    w_gate_EDF: jax.Array | None = None,
+    activation: str = "gelu_tanh",
+    normalize_top_k: bool | None = None,
 ) -> tuple[jax.Array, dict]:
     """The MoE feed-forward of x_BTD: (y_BTD, stats) (module docstring). Expert parallel when
-    the activation rules' mesh has `expert` > 1 (unless `dense`), else the dense path."""
-    weights = (w_in_EDF, b_in_EF, w_out_EFD, b_out_ED)
+    the activation rules' mesh has `expert` > 1 (unless `dense`), else the dense path.
+
+    Biases may be None (no bias). With `w_gate_EDF` the experts are gated:
+    (act(x @ w_gate) * (x @ w_in + b_in)) @ w_out + b_out. `activation`: a name in ACTIVATIONS.
+    `normalize_top_k`: True renormalises the chosen experts' weights to sum to 1, False keeps
+    the raw softmax probabilities, None (default) is raw for top_k = 1, renormalised above."""
+    act = check_activation(activation)
+    n = router_DE.shape[1]
+    check_config(n, top_k, capacity_factor)
+    given = {"w_in": w_in_EDF, "b_in": b_in_EF, "w_out": w_out_EFD, "b_out": b_out_ED,
+             "w_gate": w_gate_EDF}  # fmt: skip
+    weights = {name: w for name, w in given.items() if w is not None}
+    _check_weights(router_DE, weights)
     found = active_mesh()
     if dense or found is None or found[0].shape.get(EXPERT, 1) == 1:
         return _local(
-            x_BTD, router_DE, weights, top_k, capacity_factor, lambda x, w: _experts(x, *w)
-        )
+            x_BTD, router_DE, weights, top_k, capacity_factor, normalize_top_k,
+            lambda x, w: _experts(x, w, act),
+        )  # fmt: skip
     mesh, rows, manual = found
     ep = mesh.shape[EXPERT]
-    n = router_DE.shape[1]
     if n % ep:
         raise ValueError(
             f"model.n_experts={n} is not divisible by the expert mesh axis ({ep}); make "
@@ -181,19 +259,21 @@ def moe_ffn(
     def exchange(x_BECD, w):
         # Each device's slots for expert group j go to device j; it receives [ep * B, E/ep, C, D].
         x_BECD = jax.lax.all_to_all(x_BECD, EXPERT, 1, 0, tiled=True)
-        y_BECD = _experts(x_BECD, *w)
+        y_BECD = _experts(x_BECD, w, act)
         return jax.lax.all_to_all(y_BECD, EXPERT, 0, 1, tiled=True)
 
     def local(x_BTD, router_DE, weights):
-        y_BTD, stats = _local(x_BTD, router_DE, weights, top_k, capacity_factor, exchange)
+        y_BTD, stats = _local(
+            x_BTD, router_DE, weights, top_k, capacity_factor, normalize_top_k, exchange
+        )
         return y_BTD, jax.lax.pmean(stats, row_axes)
 
     row_spec = PartitionSpec(row_axes if len(row_axes) > 1 else row_axes[0])
-    w_spec = PartitionSpec(EXPERT)
+    w_specs = {name: PartitionSpec(EXPERT) for name in weights}  # every expert weight: E first
     return jax.shard_map(
         local,
         mesh=jax.sharding.get_abstract_mesh() if manual else mesh,
-        in_specs=(row_spec, PartitionSpec(), (w_spec,) * 4),
+        in_specs=(row_spec, PartitionSpec(), w_specs),
         out_specs=(row_spec, PartitionSpec()),
         axis_names=set(axes),
         check_vma=False,

@@ -3,6 +3,8 @@ path (all-to-all over `expert`) against the dense reference, and bad input."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,8 +109,9 @@ def test_expert_parallel_equals_dense(mesh_text):
 
 
 def test_bad_router_settings_name_the_fix():
-    with pytest.raises(ValueError, match=r"model.top_k=3.*use 1 or 2"):
-        experts.check_config(8, 3, 1.0)
+    with pytest.raises(ValueError, match=r"model.top_k=0: use an integer from 1 to model.n_exp"):
+        experts.check_config(8, 0, 1.0)
+    experts.check_config(128, 8, 1.0)  # any top_k up to the experts (Qwen3-MoE: 8 of 128)
     with pytest.raises(ValueError, match=r"top_k=2 is more than model.n_experts=1"):
         experts.check_config(1, 2, 1.0)
     for cf in (0.0, -1.0, float("nan")):
@@ -159,3 +162,147 @@ def test_gpt_moe_counts_its_parameters_and_decodes_like_its_forward():
         logits, cache = decode(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-5)
+
+
+# ---- gated experts (SwiGLU: Mixtral, Qwen3-MoE), any top_k, the weights' normalisation ----------
+
+
+def _gated_weights(key, d=16, f=32, e=8):
+    """router, w_up, w_down, w_gate (no biases), x."""
+    ks = jax.random.split(key, 5)
+    return (
+        jax.random.normal(ks[0], (d, e)),
+        jax.random.normal(ks[1], (e, d, f)) * 0.3,
+        jax.random.normal(ks[2], (e, f, d)) * 0.3,
+        jax.random.normal(ks[3], (e, d, f)) * 0.3,
+        jax.random.normal(ks[4], (8, 12, d)),
+    )
+
+
+def _run_gated(mesh_text: str, dense: bool, top_k: int):
+    mesh = make_mesh(mesh_text)
+    router, w_up, w_down, w_gate, x = _gated_weights(jax.random.key(1))
+
+    def loss(w, x):
+        router, w_up, w_down, w_gate = w
+        with activation_rules(mesh, ACT_RULES):
+            y, stats = experts.moe_ffn(
+                x, router, w_up, None, w_down, None, top_k=top_k, capacity_factor=1.0,
+                dense=dense, w_gate_EDF=w_gate, activation="silu", normalize_top_k=True,
+            )  # fmt: skip
+        return jnp.mean(y**2) + 0.01 * stats["aux"] + 0.001 * stats["z"], stats
+
+    ep = PartitionSpec("expert")
+    w = [jax.device_put(a, NamedSharding(mesh, s))
+         for a, s in zip((router, w_up, w_down, w_gate), (PartitionSpec(), ep, ep, ep),
+                         strict=True)]  # fmt: skip
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    args = (w, jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))))
+    (value, stats), grads = fn(*args)
+    return value, stats, grads, fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_gated_expert_parallel_equals_dense(top_k):
+    """SwiGLU experts without biases, top_k of 8, on data=2,expert=4: the all-to-all path (the
+    gate weights split over `expert` like the others) computes what the dense path computes,
+    gradients included (capacity factor 1: some assignments dropped)."""
+    value, stats, grads, text = _run_gated("data=2,expert=4", dense=False, top_k=top_k)
+    ref, ref_stats, ref_grads, ref_text = _run_gated("data=8", dense=True, top_k=top_k)
+    assert "all-to-all" in text and "all-to-all" not in ref_text
+    assert float(stats["dropped"]) > 0
+    np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-6)
+    for k in ("aux", "z", "dropped", "load"):
+        np.testing.assert_allclose(stats[k], ref_stats[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+_NP_ACT = {
+    "silu": lambda h: h / (1.0 + np.exp(-h)),
+    "gelu": lambda h: 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))),
+    "gelu_tanh": lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3))),
+    "relu": lambda h: np.maximum(h, 0.0),
+}
+
+
+def per_token_reference(x, router, w_in, b_in, w_out, b_out, w_gate, *, top_k, act, normalize):
+    """Token by token in float64: softmax over all experts, the top_k, their weights
+    (renormalised or raw), the weighted sum of the chosen experts' outputs (nothing dropped)."""
+    x, router, w_in, w_out = (np.asarray(a, np.float64) for a in (x, router, w_in, w_out))
+    y = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            xt = x[b, t]
+            logits = xt @ router
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            chosen = np.argsort(-p)[:top_k]
+            weights = p[chosen] / p[chosen].sum() if normalize else p[chosen]
+            for e, g in zip(chosen, weights, strict=True):
+                h = xt @ w_in[e] + (0.0 if b_in is None else np.asarray(b_in, np.float64)[e])
+                if w_gate is not None:
+                    h = _NP_ACT[act](xt @ np.asarray(w_gate, np.float64)[e]) * h
+                else:
+                    h = _NP_ACT[act](h)
+                out = h @ w_out[e] + (0.0 if b_out is None else np.asarray(b_out, np.float64)[e])
+                y[b, t] += g * out
+    return y
+
+
+@pytest.mark.parametrize(
+    "gated, act, top_k, normalize",
+    [
+        (True, "silu", 2, True),  # Mixtral
+        (True, "silu", 4, True),  # Qwen3-MoE, norm_topk_prob=True
+        (True, "silu", 4, False),  # Qwen3-MoE, norm_topk_prob=False
+        (True, "silu", 1, True),  # one expert at weight 1
+        (False, "gelu", 3, None),  # None above top_k = 1: renormalised
+        (False, "relu", 1, None),  # None at top_k = 1: the raw probability
+        (False, "gelu_tanh", 2, False),
+    ],
+)
+def test_moe_ffn_matches_a_per_token_reference(gated, act, top_k, normalize):
+    """With capacity for every token (capacity_factor = E / top_k: C = T) nothing is dropped, and
+    moe_ffn is the textbook per-token mixture; biases where the plain experts have them."""
+    router, w_in, b_in, w_out, b_out, x = _weights(jax.random.key(2))
+    w_gate = _gated_weights(jax.random.key(3))[3] if gated else None
+    if gated:
+        b_in = b_out = None
+    e = router.shape[1]
+    y, stats = experts.moe_ffn(
+        x, router, w_in, b_in, w_out, b_out, top_k=top_k, capacity_factor=e / top_k,
+        w_gate_EDF=w_gate, activation=act, normalize_top_k=normalize,
+    )  # fmt: skip
+    assert float(stats["dropped"]) == 0.0
+    ref = per_token_reference(
+        x, router, w_in, b_in, w_out, b_out, w_gate, top_k=top_k, act=act,
+        normalize=normalize or (normalize is None and top_k > 1),
+    )  # fmt: skip
+    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_raw_weights_are_the_renormalised_ones_times_the_chosen_probability_mass():
+    """normalize_top_k=False keeps the chosen experts' softmax probabilities: per token, the
+    output is the renormalised one times the probability the chosen experts hold."""
+    router, w_up, w_down, w_gate, x = _gated_weights(jax.random.key(4))
+    router = router * 0.1  # probabilities spread over the experts
+    kw = dict(top_k=4, capacity_factor=2.0, w_gate_EDF=w_gate, activation="silu")
+    y_norm, _ = experts.moe_ffn(x, router, w_up, None, w_down, None, normalize_top_k=True, **kw)
+    y_raw, _ = experts.moe_ffn(x, router, w_up, None, w_down, None, normalize_top_k=False, **kw)
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, router), axis=-1)
+    mass = jax.lax.top_k(probs, 4)[0].sum(-1, keepdims=True)
+    assert float(jnp.max(mass)) < 0.99  # the two differ
+    np.testing.assert_allclose(y_raw, y_norm * mass, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_moe_arguments_name_the_fix():
+    router, w_up, w_down, w_gate, x = _gated_weights(jax.random.key(5))
+    with pytest.raises(ValueError, match=r"activation='swish': use one of \['gelu_tanh', 'gelu', "):
+        experts.moe_ffn(x, router, w_up, None, w_down, None, top_k=2, capacity_factor=1.0,
+                        activation="swish")  # fmt: skip
+    with pytest.raises(ValueError, match=r"top_k=9 is more than model.n_experts=8.*lower top_k"):
+        experts.moe_ffn(x, router, w_up, None, w_down, None, top_k=9, capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"w_gate has shape \(8, 16, 16\), expected \(8, 16, 32\)"):
+        experts.moe_ffn(x, router, w_up, None, w_down, None, top_k=2, capacity_factor=1.0,
+                        w_gate_EDF=w_gate[..., :16])  # fmt: skip

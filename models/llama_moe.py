@@ -99,11 +99,13 @@ class LlamaMoEBlock(LlamaBlock):
             self.shared_down = _param(rngs, _init.normal(self.out_std), (fs, d), ("mlp", "embed"))
             self.shared_gate = _param(rngs, _init.normal(std), (d, 1), ("embed", None))
 
-    def moe(self, x_BTD) -> tuple[jax.Array, dict]:
+    def moe(self, x_BTD, dropless: bool = False) -> tuple[jax.Array, dict]:
+        """(y_BTD, routing stats); `dropless`: a capacity of every token (decoding)."""
         c = self.cfg
+        cf = c.n_experts / c.top_k if dropless else c.capacity_factor
         y_BTD, stats = moe_ffn(
             x_BTD, self.router[...], self.w_up[...], None, self.w_down[...], None,
-            top_k=c.top_k, capacity_factor=c.capacity_factor, dense=c.moe_impl == "dense",
+            top_k=c.top_k, capacity_factor=cf, dense=c.moe_impl == "dense",
             w_gate_EDF=self.w_gate[...], activation="silu", normalize_top_k=c.normalize_top_k,
         )  # fmt: skip
         if c.shared_expert_mlp:
@@ -113,8 +115,10 @@ class LlamaMoEBlock(LlamaBlock):
             y_BTD = y_BTD + gate_BT1 * (h_BTF @ self.shared_down[...])
         return constrain(y_BTD, ("batch", "seq", "embed")), stats
 
-    def mlp(self, x_BTD):  # LlamaBlock.decode calls it
-        return self.moe(x_BTD)[0]
+    def mlp(self, x_BTD):
+        """LlamaBlock.decode's MLP: no token dropped, whatever the chunk's length (a capacity
+        per sequence would depend on how the sequence is cut; Hugging Face's is dropless)."""
+        return self.moe(x_BTD, dropless=True)[0]
 
     def forward_stats(self, x_BTD, key=None) -> tuple[jax.Array, dict]:
         x_BTD = x_BTD + self.attention(self.attn_norm(x_BTD))

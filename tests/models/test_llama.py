@@ -9,6 +9,7 @@ implementation: tests/hf/.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np

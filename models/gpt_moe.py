@@ -31,7 +31,7 @@ MOE_IMPLS = ("auto", "dense")
 @dataclass(frozen=True)
 class GPTMoEConfig(GPTConfig):
     n_experts: int = 8
-    top_k: int = 2  # experts per token: 1 or 2
+    top_k: int = 2  # experts per token (1..n_experts)
     capacity_factor: float = 1.25  # slots per expert = ceil(cf x T x top_k / n_experts)
     moe_every: int = 1  # 1: every layer is MoE; 2: every other layer (dense, MoE, ...)
     moe_aux_weight: float = 0.01  # load-balancing loss weight

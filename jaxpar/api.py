@@ -182,6 +182,46 @@ def _with_sync(step: Callable, program: Any) -> Callable:
     return train_step
 
 
+def from_hf(folder: str, mesh: Any = None, *, seq_len: int | None = None) -> tuple[Any, Any]:
+    """(TrainConfig, model) of a Hugging Face checkpoint folder (LlamaForCausalLM,
+    MistralForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM): the recipe
+    `--recipe hf:DIR` builds (its model config from config.json) and the nnx model holding the
+    folder's weights, in evaluation mode, callable on token ids (`model(tokens_BT)` -> logits;
+    `init_cache`/`decode` for generation).
+
+    Every file and tensor is checked before an array is built, then each parameter is streamed
+    onto its sharding: `mesh` a preset name, a mesh spec ("fsdp=8"), a Preset or MeshSpec (its
+    rules shard the parameters), or a jax Mesh (the default rules); None: the first device.
+    `seq_len`: the model's context (default: max_position_embeddings, at most 2048 and the
+    sliding window)."""
+    import jax
+    from flax import nnx
+
+    from jaxpar.engine import model as model_lib
+    from jaxpar.engine.mesh import MeshSpec, make_mesh
+    from jaxpar.engine.rules import Preset
+    from jaxpar.hf import config as hf_config
+    from jaxpar.hf import load as hf_load
+    from jaxpar.parallel.program import param_shardings
+
+    cfg = hf_config.recipe(folder, seq_len)
+    if mesh is None:
+        layout = preset("data=1")
+        m = make_mesh(layout.mesh, [jax.devices()[0]])
+    elif isinstance(mesh, jax.sharding.Mesh):
+        layout, m = Preset(MeshSpec(**dict(mesh.shape))), mesh
+    else:
+        layout = preset(mesh)
+        m = build_mesh(layout)
+    mdef = model_lib.abstract(cfg.model, cfg.train.seed)
+    with hf_load.open_folder(folder, expect=cfg.model) as f:
+        hf_load.check_abstract(f, nnx.to_pure_dict(mdef.params))
+        params = hf_load.load_params(f, param_shardings(mdef.params, layout.params, m))
+    model = model_lib.rebuild(mdef, params, None, None)
+    model.eval()
+    return cfg, model
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -331,12 +371,17 @@ class CheckpointManager:
         self._last = int(meta["step"])
         return state
 
-    def restore_or_init(self) -> dict:
+    def restore_or_init(self, *, init_from: str | None = None) -> dict:
         """(With `job`.) The newest usable state of the restore tiers — a local snapshot when
         `local=True` and it is at least as new as the newest checkpoint, else the checkpoint,
         resharded onto the job's mesh — else `job.init()`. The train step is compiled (or loaded
         from `RUN_DIR/compiled`) meanwhile and `job.train_step` runs it from now on. Writes
-        `restore` (with its tier) and `compiled`."""
+        `restore` (with its tier) and `compiled`.
+
+        `init_from="hf:DIR"`: when no tier holds a state, the first state's parameters come
+        from that Hugging Face checkpoint folder (checked against the job's model config, then
+        streamed onto the job's shardings), its optimizer state initialised as usual; a state in
+        the run directory wins (one line says so) and the folder is then not read."""
         import concurrent.futures
 
         from jaxpar.worker import groups, training
@@ -346,6 +391,13 @@ class CheckpointManager:
                 "restore_or_init() restores for a job: CheckpointManager(run_dir, job=job); "
                 "without one, use restore(job.abstract_state) or job.init()"
             )
+        if init_from:
+            from jaxpar.hf import load as hf_load
+
+            path = hf_load.source_folder(init_from)
+            model = self._session.cfg.model
+            self._session.init_from = lambda: hf_load.open_folder(path, expect=model)
+            self._session.init_text = init_from
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpar-compile")
         try:
             state, compiled = training.restore_and_compile(self._session, self._tiers, pool)
@@ -462,6 +514,7 @@ def fit(
     *,
     faults: Sequence[str] = (),
     progress: bool | None = None,
+    init_from: str | None = None,
 ) -> dict:
     """Train `cfg` to `cfg.train.steps` with everything `python -m train` does: sharded init or
     resharded restore of the newest good checkpoint in `run_dir`, metrics.jsonl / events.jsonl /
@@ -469,13 +522,15 @@ def fit(
     launch`, and a coordinated save on preemption (then `Preempted` is raised; `entrypoint`
     turns it into the exit code the supervisor expects). Returns the summary dict.
 
-    `run_dir`: see `resolve_run_dir`.
+    `run_dir`: see `resolve_run_dir`. `init_from="hf:DIR"`: start from a Hugging Face
+    checkpoint's weights (`--init-from`; a checkpoint in `run_dir` wins).
     """
     from jaxpar.worker import training
 
     run_dir = resolve_run_dir(run_dir, cfg)
     layout = preset(cfg.mesh if mesh is None else mesh)
-    summary = training.run(cfg, layout, run_dir, faults=list(faults), progress=progress)
+    summary = training.run(cfg, layout, run_dir, faults=list(faults), progress=progress,
+                           init_from=init_from)  # fmt: skip
     summary["run_dir"] = os.path.abspath(run_dir)
     return summary
 

@@ -125,7 +125,13 @@ def add_train_arguments(
         p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
         "--recipe", default="gpt_tiny",
-        help="name in jaxpar.train.recipes, or module:function (default: gpt_tiny)",
+        help="name in jaxpar.train.recipes, module:function, or hf:DIR (the model of a Hugging "
+        "Face checkpoint folder, random weights unless --init-from; default: gpt_tiny)",
+    )  # fmt: skip
+    p.add_argument(
+        "--init-from", default=None, metavar="hf:DIR",
+        help="start from a Hugging Face checkpoint folder's weights (its config.json must match "
+        "the recipe's model; a checkpoint in the run directory wins)",
     )  # fmt: skip
     p.add_argument(
         "--mesh", default=None,
@@ -149,6 +155,18 @@ def add_train_arguments(
     return p
 
 
+def resolve_recipe(name: str):
+    """`--recipe`: hf:DIR (a Hugging Face checkpoint folder's model, jaxpar.hf.config.recipe),
+    else jaxpar.config.resolve_recipe's name or module:function."""
+    if name.startswith("hf:"):
+        from jaxpar.hf.config import recipe
+
+        return recipe(name[3:])
+    from jaxpar.config import resolve_recipe as by_name
+
+    return by_name(name)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a recipe: the same run as `python -m train`, with the worker exit codes."""
     from jaxpar.api import run_worker
@@ -156,7 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def train() -> None:
         from jaxpar import api
-        from jaxpar.config import apply_overrides, resolve_recipe, validate
+        from jaxpar.config import apply_overrides, validate
         from jaxpar.worker import training
 
         cfg = resolve_recipe(args.recipe)
@@ -165,7 +183,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = training.vocab_from_data(cfg, explicit="model.vocab_size" in keys)
         mesh = args.mesh if args.mesh is not None else cfg.mesh
         summary = api.fit(cfg, mesh, args.run_dir, faults=args.faults,
-                          progress=False if args.no_progress else None)  # fmt: skip
+                          progress=False if args.no_progress else None,
+                          init_from=args.init_from)  # fmt: skip
         import jax
 
         if summary.get("final_loss") is not None and jax.process_index() == 0:
@@ -183,7 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from jaxpar.worker import bootstrap
 
     bootstrap.configure_devices()
-    from jaxpar.config import apply_overrides, resolve_recipe, validate
+    from jaxpar.config import apply_overrides, validate
     from jaxpar.tools.inspect import inspect, inspect_json
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
@@ -206,7 +225,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from jaxpar.worker import bootstrap
 
     bootstrap.configure_devices()
-    from jaxpar.config import apply_overrides, resolve_recipe, validate
+    from jaxpar.config import apply_overrides, validate
     from jaxpar.tools.tune import tune
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
@@ -298,8 +317,21 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jaxpar.tools.export import config_path, export
+    from jaxpar.tools.export import config_path, export, export_hf
 
+    if args.shard_size is not None and args.format != "hf":
+        raise ValueError("--shard-size applies to --format hf only; drop it")
+    if args.format == "hf":
+        from jaxpar.hf.save import DEFAULT_SHARD_BYTES, parse_size
+
+        size = DEFAULT_SHARD_BYTES if args.shard_size is None else parse_size(args.shard_size)
+        out = export_hf(args.run_dir, args.out, shard_bytes=size, force=args.force)
+        tok = f"; tokenizer {', '.join(out['tokenizer'])}" if out["tokenizer"] else ""
+        print(
+            f"{args.out}: {out['parameters']:,} parameters of step {out['step']} as "
+            f"{out['config']['architectures'][0]} in {len(out['files'])} safetensors file(s){tok}"
+        )
+        return 0
     meta = export(args.run_dir, args.out, force=args.force)
     state = f" and {len(meta['state'])} state tensors" if meta["state"] else ""
     print(
@@ -323,9 +355,18 @@ def _add_model_parsers(sub) -> None:
                      help="random seed of the draws, >= 0 (default 0)")  # fmt: skip
     sam.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
     sam.set_defaults(func=cmd_sample)
-    exp = sub.add_parser("export", help="a run's model variables as safetensors + config JSON")
+    exp = sub.add_parser("export", help="a run's model variables as safetensors + config JSON, "
+                         "or as a Hugging Face checkpoint folder (--format hf)")  # fmt: skip
     exp.add_argument("run_dir", metavar="RUN_DIR")
-    exp.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors")
+    exp.add_argument("--out", required=True, metavar="FILE|DIR",
+                     help="NAME.safetensors; with --format hf a folder")  # fmt: skip
+    exp.add_argument("--format", choices=("jaxpar", "hf"), default="jaxpar",
+                     help="jaxpar (default): one safetensors file of jaxpar's names; hf: a Hugging "
+                     "Face folder (config.json, sharded safetensors, tokenizer) of a Llama-family "
+                     "model")  # fmt: skip
+    exp.add_argument("--shard-size", default=None, metavar="SIZE",
+                     help="--format hf: bytes per safetensors file, e.g. 2GiB (default) or "
+                     "500MB")  # fmt: skip
     exp.add_argument("--force", action="store_true", help="overwrite an earlier export")
     exp.set_defaults(func=cmd_export)
 

@@ -101,6 +101,9 @@ class Program:
     abstract_state: dict  # ShapeDtypeStructs carrying the target shardings
     param_logical: dict  # pure dict: parameter path -> logical axis names
     init: Callable[[], dict]
+    # params -> the state `init` would make around them (its optimizer state, step and rng):
+    # a run that starts from given weights (jaxpar.hf); the params are donated
+    init_from: Callable[[dict], dict]
     train_step: Callable[[dict, dict], tuple[dict, dict]]
     eval_step: Callable[[dict, dict], dict]
     schedule: Callable | None  # learning rate by step (None: the recipe's own optimizer)
@@ -214,13 +217,19 @@ def build_program(
         state_sh[STATE_KEY] = param_shardings(mdef.state, param_rules, mesh)
     b_sh = batch_shardings(batch_spec, act_rules, mesh)
 
-    def init():
-        params, mstate = model_lib.split_values(model_lib.build(cfg.model, seed))
+    def init_around(params, mstate):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0x5EED))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "rng": rng}
         if mdef.has_state:
             state[STATE_KEY] = mstate
         return strategy.init_state(state)
+
+    def init():
+        return init_around(*model_lib.split_values(model_lib.build(cfg.model, seed)))
+
+    def init_from(params):
+        # the built model's parameters are not used (XLA drops their computation), its state is
+        return init_around(params, model_lib.split_values(model_lib.build(cfg.model, seed))[1])
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -242,6 +251,8 @@ def build_program(
         state_shardings=state_sh,
         batch_shardings=b_sh, abstract_state=abs_state, param_logical=param_logical_axes(template),
         init=jax.jit(init, out_shardings=state_sh),
+        init_from=jax.jit(init_from, in_shardings=(ctx.param_shardings,), out_shardings=state_sh,
+                          donate_argnums=0),  # fmt: skip
         train_step=jax.jit(
             train_step, in_shardings=(state_sh, b_sh),
             out_shardings=(state_sh, metrics_sh), donate_argnums=0,

@@ -1,4 +1,5 @@
-"""`jaxpar export RUN_DIR --out FILE`: a trained model's variables as one safetensors file.
+"""`jaxpar export RUN_DIR --out FILE`: a trained model's variables as one safetensors file
+(`--format hf --out DIR`: a Llama-family model as a Hugging Face checkpoint folder, jaxpar.hf).
 
     jaxpar export runs/a --out gpt.safetensors    # writes gpt.safetensors and gpt.config.json
     model = load_model("gpt.safetensors")          # back as an nnx.Module, in evaluation mode
@@ -86,6 +87,26 @@ def export(run_dir: str, out: str, force: bool = False) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     _write(out, {**params, **state}, meta)
     return meta
+
+
+def export_hf(run_dir: str, out: str, *, shard_bytes: int, force: bool = False) -> dict:
+    """`jaxpar export RUN_DIR --format hf --out DIR`: the newest good checkpoint of a
+    Llama-family run as a Hugging Face checkpoint folder (jaxpar.hf.save.write_folder, with the
+    data folder's tokenizer when it has one); returns its summary and `step`."""
+    from jaxpar.hf import config as hf_config
+    from jaxpar.hf import save as hf_save
+
+    hf_save.check_out(out, force)
+    try:
+        hf_config.hf_config(finished_run.load_config(run_dir).model)  # refused before reading
+    except ValueError as e:
+        raise ValueError(f"jaxpar export --format hf {run_dir}: {e}") from None
+    cfg, variables, step = finished_run.load_variables(run_dir)
+    params = finished_run.to_numpy(variables["params"])
+    tokenizer = cfg.data.path or None
+    summary = hf_save.write_folder(out, cfg.model, params, shard_bytes=shard_bytes,
+                                   tokenizer_dir=tokenizer, force=force)  # fmt: skip
+    return {**summary, "step": step}
 
 
 def _flat(tree: dict) -> dict[str, np.ndarray]:

@@ -69,6 +69,10 @@ class Session:
     link: groups.GroupLink | None = None  # a replica group's link to the group hub (--groups)
     eval_compiled: Any = None  # the compiled eval step, once loaded (eval_program)
     lr_path: tuple | None = None  # where the recipe's own optimizer keeps its learning rate
+    # --init-from: opens the checked checkpoint folder (jaxpar.hf.load.Folder) the first state's
+    # parameters come from when no restore tier holds a state; its text for the console
+    init_from: Any = None
+    init_text: str = ""
 
 
 def injected_lr_path(program: Program) -> tuple | None:
@@ -346,6 +350,44 @@ def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
     return specs
 
 
+def init_source(cfg: TrainConfig, run_dir: str, init_from: str | None) -> Any:
+    """`--init-from hf:DIR`, checked before anything is written: a function opening the folder
+    (every file and tensor already checked against the recipe's model), or None when it is not
+    given or when the run directory's newest checkpoint will be restored instead (resumption:
+    the checkpoint wins, said in one line; the folder is not read)."""
+    if not init_from:
+        return None
+    from jaxpar.hf import load as hf_load
+
+    path = hf_load.source_folder(init_from)
+    ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
+    step = checkpoint_preflight(
+        ckpt_dir, config_meta(cfg), which=cfg.ckpt.restore, force=cfg.ckpt.force
+    )
+    if step is not None:
+        if jax.process_index() == 0:
+            say(f"--init-from {init_from} not read: resuming from the checkpoint at step {step} "
+                f"in {ckpt_dir} (a run directory's checkpoint wins)")  # fmt: skip
+        return None
+    folder = hf_load.open_folder(path, expect=cfg.model)
+    return lambda: folder
+
+
+def _first_state(s: Session):
+    """The function giving the first state when no restore tier holds one: the program's
+    init, or the --init-from folder's parameters around a fresh optimizer state."""
+    if s.init_from is None:
+        return s.program.init
+
+    def init() -> dict:
+        from jaxpar.hf import load as hf_load
+
+        with s.init_from() as folder:
+            return hf_load.initial_state(s.program, folder)
+
+    return init
+
+
 def take_lock(s: Session) -> ownership.RunDirLock | None:
     """The run directory's lock: process 0 takes it (or runs under its supervisor's) for every
     process; RunDirLocked on all processes when another run holds it."""
@@ -374,18 +416,23 @@ def run(
     *,
     faults: list[str] = (),
     progress: bool | None = None,
+    init_from: str | None = None,
 ) -> dict:
     """Train `cfg` on `preset`'s mesh, writing `run_dir`; returns the summary dict.
 
     Nothing is written to `run_dir` until every check has passed (`preflight`, the mesh and
     program) and the run directory's lock is held. Raises Preempted (after a coordinated save),
     NonFiniteLoss, ReplicaMismatch, NothingToDo, or ValueError for a refused run.
+    `init_from` (`hf:DIR`): the first state's parameters come from a Hugging Face checkpoint
+    folder, unless the run directory holds a state to resume (init_source).
     """
     t_start = time.time()
     cfg, preset = supervised_layout(cfg, preset)
     env_inc = os.environ.get("JAXPAR_INCARNATION")
     specs = preflight(cfg, run_dir, list(faults))
+    opener = init_source(cfg, run_dir, init_from)
     s = setup(cfg, preset, run_dir, int(env_inc) if env_inc else None, create=False)
+    s.init_from, s.init_text = opener, init_from or ""
     early = None
     if standby.pending():  # the next incarnation, built ahead: wait for the failure here
         early = prepare_standby(s)
@@ -546,7 +593,12 @@ def restore_and_compile(
     step, compiled before its "go"."""
     step_program = pool.submit(compile_step, s) if early is None else None
     warm = [pool.submit(t.warm_up) for t in tiers]
-    state, _ = restore_newest(tiers, s.program.init)
+    state, restored = restore_newest(tiers, _first_state(s))
+    if s.init_from is not None and restored is not None:
+        s.init_from().close()
+    if s.init_from is not None and restored is not None and jax.process_index() == 0:
+        say(f"--init-from {s.init_text} not read: resuming from the {restored.tier} state at step "
+            f"{restored.step} (a run directory's own state wins)")  # fmt: skip
     compiled, seconds = step_program.result() if early is None else early
     s.run.event(
         WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()

@@ -23,10 +23,15 @@ PIPELINE_REST = "parallel/test_pipeline.py"
 # (`compiled`, `runs`: dp8, fsdp8, dp2_tp4 of 5 steps): one group, so that one worker compiles and
 # trains each of them once for all three.
 GPT_TINY_LAYOUTS = "gpt_tiny_layouts"
+# Hugging Face checkpoints (tests/hf): one worker makes the peer's reference models once.
+HF = "hf"
 SHARED = {
     "parallel/test_parity.py": GPT_TINY_LAYOUTS,
     "engine/test_precision.py": GPT_TINY_LAYOUTS,
     "parallel/test_step_audit.py": GPT_TINY_LAYOUTS,
+    "hf/test_hf_files.py": HF,
+    "hf/test_hf_parity.py": HF,
+    "hf/test_hf_cli.py": HF,
 }
 LONGEST_FIRST = {
     GPT_TINY_LAYOUTS: 420,  # test_precision + test_parity + test_step_audit

@@ -1,0 +1,39 @@
+"""Hugging Face checkpoints (jaxpar.hf): the peer's reference models, made once per session.
+
+`hf_refs` is the folder tests/support/hf_peer_script.py wrote in the peer environment (torch and
+transformers, created once in the user's cache; tests/support/hf_peer.py): tiny Llama, tied
+Llama (and its bfloat16 copy), Qwen3, Mixtral and Qwen3-MoE models saved with `save_pretrained`,
+with their logits, greedy generations and training losses. Tests that need it are skipped, with
+the reason, where the peer cannot be installed (no package index).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.support import hf_peer
+
+
+@pytest.fixture(scope="session")
+def hf_refs() -> str:
+    try:
+        return hf_peer.references()
+    except hf_peer.PeerUnavailable as e:
+        pytest.skip(f"the Hugging Face peer environment is unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def hf_ref(hf_refs):
+    """name -> (its checkpoint folder, its reference arrays)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            with np.load(os.path.join(hf_refs, f"{name.removesuffix('_bf16')}.npz")) as z:
+                cache[name] = (os.path.join(hf_refs, name), {k: z[k] for k in z.files})
+        return cache[name]
+
+    return get

@@ -37,3 +37,25 @@ def hf_ref(hf_refs):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path):
+    """(model config, name, **write_folder options) -> a checkpoint folder of random float32
+    weights written by jaxpar.hf.save (no transformers needed)."""
+    from jaxpar.hf import names as hf_names
+    from jaxpar.hf import save as hf_save
+
+    def make(model, name: str = "ckpt", **kw) -> str:
+        rng = np.random.default_rng(0)
+        params: dict = {}
+        for path, spec in hf_names.specs(model).items():
+            d = params
+            for key in path[:-1]:
+                d = d.setdefault(key, {})
+            d[path[-1]] = rng.standard_normal(spec.shape).astype(np.float32)
+        out = str(tmp_path / name)
+        hf_save.write_folder(out, model, params, **kw)
+        return out
+
+    return make

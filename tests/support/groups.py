@@ -40,6 +40,7 @@ LONGEST_FIRST = {
     "recovery/test_checkpoint_faults.py": 300,
     PIPELINE_WHOLE_STEPS: 290,
     "bench/test_bench_recovery.py": 200,
+    HF: 150,  # tests/hf: 70 s alone; a machine's first run also installs the peer (~165 s)
     "data/test_data_e2e.py": 210,
     "recovery/test_local_resume_2proc.py": 170,
     "supervisor/test_supervisor.py": 155,

@@ -2,7 +2,7 @@
 models built in transformers, saved with `save_pretrained`, and their reference outputs.
 
     python hf_peer_script.py OUT
-    python hf_peer_script.py check TOKENS.npy FOLDER OUT.npy [FOLDER OUT.npy ...]
+    python hf_peer_script.py check FOLDER TOKENS.npy OUT.npy [FOLDER TOKENS.npy OUT.npy ...]
 
 The first writes, per model NAME, the folder OUT/NAME (config.json, safetensors) and OUT/NAME.npz:
 `tokens` [8, 257] (logits are of tokens[:, :256]), `logits` [8, 256, V] float32, `prompt`
@@ -10,7 +10,7 @@ The first writes, per model NAME, the folder OUT/NAME (config.json, safetensors)
 for the models trained here `train_losses` (two AdamW steps on tokens[:, :65]). OUT/manifest.json
 lists the models and the versions. `check` loads each FOLDER with
 AutoModelForCausalLM.from_pretrained (a folder jaxpar exported) and writes its float32 logits on
-the tokens of TOKENS.npy ([rows, T] int) to OUT.npy.
+the tokens of its TOKENS.npy ([rows, T] int) to its OUT.npy.
 """
 
 import json
@@ -137,9 +137,9 @@ def main(out: str) -> None:
         json.dump(manifest, f, indent=1)
 
 
-def check(tokens_file: str, pairs: list[str]) -> None:
-    tokens = torch.from_numpy(np.load(tokens_file)).long()
-    for folder, out in zip(pairs[::2], pairs[1::2], strict=True):
+def check(triples: list[str]) -> None:
+    for folder, tokens_file, out in zip(triples[::3], triples[1::3], triples[2::3], strict=True):
+        tokens = torch.from_numpy(np.load(tokens_file)).long()
         model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
         with torch.no_grad():
             np.save(out, model(input_ids=tokens).logits.float().numpy())
@@ -148,6 +148,6 @@ def check(tokens_file: str, pairs: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if sys.argv[1] == "check":
-        check(sys.argv[2], sys.argv[3:])
+        check(sys.argv[2:])
     else:
         main(sys.argv[1])

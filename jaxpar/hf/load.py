@@ -19,6 +19,8 @@ the one tensor being read; the whole model is never in one process's memory.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 import sys
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.hf import config as hf_config
@@ -218,10 +221,16 @@ def notice(folder: Folder) -> None:
         )
 
 
-def load_params(folder: Folder, shardings: dict) -> dict:
+# The bytes of one parameter's blocks a process assembles on the host at once. A stacked [L, ...]
+# parameter whose blocks here are larger is placed layer by layer instead (each layer's part
+# copied into its devices' buffers), so that the host holds one layer of it at a time.
+HOST_BLOCK_BYTES = 1 << 30
+
+
+def load_params(folder: Folder, shardings: dict, *, host_bytes: int | None = None) -> dict:
     """The model's parameters (a pure dict like the model's parameter state) as jax.Arrays on
     `shardings` (a pure dict of NamedShardings of the same structure), each block read from the
-    files for the devices of this process that hold it."""
+    files for the devices of this process that hold it. `host_bytes`: see HOST_BLOCK_BYTES."""
     specs = hf_names.specs(folder.model)
     flat = _paths(shardings)
     known = {path for path, _ in flat}
@@ -231,6 +240,7 @@ def load_params(folder: Folder, shardings: dict) -> dict:
             f"the model's parameters {unknown[:3] or sorted('.'.join(p) for p in set(specs) - known)[:3]} "
             f"have no Hugging Face tensor mapping (jaxpar/hf/names.py)"
         )
+    budget = HOST_BLOCK_BYTES if host_bytes is None else host_bytes
     notice(folder)
     leaves = []
     for path, sharding in flat:
@@ -238,13 +248,50 @@ def load_params(folder: Folder, shardings: dict) -> dict:
         # the distinct blocks this process's devices hold, read together (each tensor once)
         per_device = sharding.addressable_devices_indices_map(spec.shape)
         distinct = {_key(index): index for index in per_device.values()}
-        made = dict(zip(distinct, hf_names.blocks(spec, list(distinct.values()),
-                                                  folder.reader.read), strict=True))  # fmt: skip
+        share = sum(4 * math.prod(len(r) for r in hf_names.index_ranges(i, spec.shape))
+                    for i in distinct.values())  # fmt: skip
+        if spec.layers and share > budget:
+            leaves.append(_by_layers(folder, spec, sharding, per_device))
+            continue
+        made = dict(zip(distinct, _blocks(folder, spec, list(distinct.values())), strict=True))
         leaves.append(jax.make_array_from_callback(
             spec.shape, sharding, lambda index, made=made: made[_key(index)]))  # fmt: skip
         made.clear()
     treedef = jax.tree.structure(shardings)
     return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(buffer: jax.Array, part: jax.Array, at: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(buffer, part, at, axis=0)
+
+
+def _by_layers(folder: Folder, spec: hf_names.Spec, sharding: Any, per_device: dict) -> jax.Array:
+    """A stacked parameter placed one layer at a time: each device's block starts as zeros on
+    the device, and every layer's part (its tensors read once for all blocks) is copied in."""
+    buffers = {}
+    for d, index in per_device.items():
+        shape = tuple(len(r) for r in hf_names.index_ranges(index, spec.shape))
+        buffers[d] = jnp.zeros(shape, jnp.float32, device=d)
+    layers = {d: hf_names.index_ranges(index, spec.shape)[0] for d, index in per_device.items()}
+    for layer in range(spec.shape[0]):
+        holders = [d for d in per_device if layer in layers[d]]
+        distinct: dict[tuple, tuple] = {}
+        for d in holders:
+            sub = (slice(layer, layer + 1), *tuple(per_device[d])[1:])
+            distinct.setdefault(_key(sub), sub)
+        parts = dict(zip(distinct, _blocks(folder, spec, list(distinct.values())), strict=True))
+        for d in holders:
+            sub = (slice(layer, layer + 1), *tuple(per_device[d])[1:])
+            part = jax.device_put(parts[_key(sub)], d)
+            buffers[d] = _put_layer(buffers[d], part, layer - layers[d].start)
+        parts.clear()
+    return jax.make_array_from_single_device_arrays(spec.shape, sharding, list(buffers.values()))
+
+
+def _blocks(folder: Folder, spec: hf_names.Spec, indices: list) -> list[np.ndarray]:
+    r = folder.reader
+    return hf_names.blocks(spec, indices, r.read_raw, r.widen)
 
 
 def _key(index: tuple) -> tuple:

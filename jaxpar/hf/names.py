@@ -152,6 +152,11 @@ def hf_tensors(model: Any) -> dict[str, tuple[int, ...]]:
     return {name: s.hf_shape for s in specs(model).values() for _, name in s.hf_names()}
 
 
+def index_ranges(index: tuple, shape: tuple[int, ...]) -> list[range]:
+    """The range along each axis of `index` (slices, as jax passes them) into `shape`."""
+    return _ranges(index, shape)
+
+
 def _ranges(index: tuple, shape: tuple[int, ...]) -> list[range]:
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
@@ -198,12 +203,16 @@ def _plan(spec: Spec, index: tuple) -> _Plan:
     return _Plan(out, ranges, read_ranges, shaped, tuple(inner))
 
 
-def blocks(spec: Spec, indices: list[tuple], read: Reader) -> list[np.ndarray]:
+def blocks(
+    spec: Spec, indices: list[tuple], read: Reader, widen: Callable | None = None
+) -> list[np.ndarray]:
     """The float32 blocks `indices` (tuples of slices, as jax's `make_array_from_callback`
     passes) of the parameter, from its Hugging Face tensors. Each tensor that any block needs
     is read once, over the rows of its first axis that the blocks need (a bounding range: at most
     the whole tensor), and each block takes its part: the layers/experts outside every block are
-    never read, and one tensor at a time is held besides the blocks."""
+    never read, and one tensor at a time is held besides the blocks. `widen(name, part)`, when
+    given, turns each part of what `read` returned into float32 (so a bfloat16 tensor is held
+    as read, not widened whole)."""
     plans = [_plan(spec, index) for index in indices]
     needed: dict[tuple[int, int, int], list] = {}
     for plan in plans:
@@ -223,10 +232,13 @@ def blocks(spec: Spec, indices: list[tuple], read: Reader) -> list[np.ndarray]:
                   max(u[0].read_ranges[k].stop for u in users))
             for k in range(axes)
         ]  # fmt: skip
-        tensor = read(spec.names[s].format(i=i, j=j), bound)
+        name = spec.names[s].format(i=i, j=j)
+        tensor = read(name, bound)
         for plan, li, ei, si in users:
             part = tensor[tuple(slice(r.start - b.start, r.stop - b.start)
                                 for r, b in zip(plan.read_ranges, bound, strict=True))]  # fmt: skip
+            if widen is not None:
+                part = widen(name, part)
             if spec.transpose:
                 part = part.T
             part = part.reshape(plan.shaped)[plan.inner]

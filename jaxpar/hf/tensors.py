@@ -170,6 +170,10 @@ class Reader:
         """`read_raw` as float32."""
         return widen(self.read_raw(name, ranges), self.entries[name].dtype)
 
+    def widen(self, name: str, raw: np.ndarray) -> np.ndarray:
+        """Values `read_raw` returned for tensor `name`, as float32."""
+        return widen(raw, self.entries[name].dtype)
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)

@@ -252,6 +252,24 @@ def test_a_folder_loads_bitwise_onto_any_sharding(tmp_path):
             assert np.array_equal(np.asarray(value), flat[path]), (layout, path)
 
 
+def test_large_stacked_parameters_are_placed_layer_by_layer(tmp_path):
+    """Past the host budget a stacked parameter is copied into its devices one layer at a time:
+    the same arrays, each tensor still read once."""
+    folder, flat = write(tmp_path, QWEN3_MOE)
+    from jaxpar import meshes
+
+    for layout in ("fsdp8", "dp4_pp2"):
+        p = meshes.resolve(layout)
+        mesh = make_mesh(p.mesh)
+        sh = param_shardings(model_lib.abstract(QWEN3_MOE, 0).params, p.params, mesh)
+        with hf_load.open_folder(folder) as f:
+            params = hf_load.load_params(f, sh, host_bytes=0)
+            assert f.reader.bytes_read == sum(v.nbytes for v in flat.values())
+        for path, value in hf_load._paths(params):
+            assert value.sharding == dict(hf_load._paths(sh))[path]
+            assert np.array_equal(np.asarray(value), flat[path]), (layout, path)
+
+
 def test_bfloat16_and_float16_files_load_as_float32_with_one_notice(tmp_path, capfd):
     folder, flat = write(tmp_path, LLAMA)
     bf16 = _narrow_copy(folder, str(tmp_path / "bf16"), "BF16")

@@ -138,3 +138,36 @@ def test_init_from_then_export_is_bitwise_and_a_checkpoint_wins(capsys, tmp_path
     ]
     with open(run / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f if '"loss"' in x] == [1, 2]
+
+
+@pytest.mark.slow
+def test_checkpoint_manager_restore_or_init_from_a_folder(tmp_path, make_checkpoint):
+    """A loop of one's own: restore_or_init(init_from="hf:DIR") starts from the folder's
+    weights on the job's shardings, with a fresh optimizer state."""
+    import dataclasses
+
+    import jax
+
+    import jaxpar
+    from jaxpar.hf import load as hf_load
+
+    folder = make_checkpoint(SMALL)
+    cfg = hf_config.recipe(folder)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, global_batch=8),
+        ckpt=dataclasses.replace(cfg.ckpt, local_every=0),
+    )  # fmt: skip
+    job = jaxpar.build(cfg, "fsdp8")
+    with jaxpar.CheckpointManager(str(tmp_path / "run"), job=job) as ckpt:
+        state = ckpt.restore_or_init(init_from=f"hf:{folder}")
+        assert int(state["step"]) == 0 and "opt" in state
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        with hf_load.open_folder(folder) as f:
+            want = hf_load.load_params(
+                f, jax.tree.map(lambda _: one, job.state_shardings["params"])
+            )
+        for (path, got), (_, value) in zip(hf_load._paths(state["params"]),
+                                           hf_load._paths(want), strict=True):  # fmt: skip
+            assert got.sharding == dict(hf_load._paths(job.state_shardings["params"]))[path]
+            assert np.array_equal(np.asarray(got), np.asarray(value)), path

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxpar.engine.experts import check_config
 from jaxpar.models.gpt import GPT, GPTConfig, LayerNorm, _init, _param, block_at
-from jaxpar.models.moe import MoEGroup, mean_stats
+from jaxpar.models.moe import MoEGroup, aux_of
 
 MOE_IMPLS = ("auto", "dense")
 
@@ -122,13 +122,7 @@ class GPTMoE(GPT):
                 x_BTD, None if keys is None else keys[i]
             )
             per_layer.append(stats)
-        s = mean_stats(per_layer)
-        metrics = {
-            "moe_aux_loss": s["aux"], "moe_z_loss": s["z"], "moe_dropped_frac": s["dropped"],
-            "moe_expert_load": s["load"],
-        }  # fmt: skip
-        loss = c.moe_aux_weight * s["aux"] + c.router_z_weight * s["z"]
-        return self.unembed(x_BTD), {"loss": loss, "metrics": metrics}
+        return self.unembed(x_BTD), aux_of(per_layer, c)
 
     def __call__(self, tokens_BT, key=None):
         return self.aux_forward(tokens_BT, key)[0]

@@ -33,7 +33,7 @@ from jaxpar.engine.rules import constrain
 from jaxpar.models.gpt import REMAT_POLICIES, _init, _param, block_at
 from jaxpar.models.gpt_moe import MOE_IMPLS
 from jaxpar.models.llama import Llama, LlamaBlock, LlamaConfig
-from jaxpar.models.moe import mean_stats
+from jaxpar.models.moe import aux_of, check_no_aux_losses
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,7 @@ class LlamaMoEBlock(LlamaBlock):
     def __call__(self, x_BTD, key=None):
         """The output alone: the form a pipeline stage calls. A pipeline computes the loss
         stage by stage, so the auxiliary losses cannot reach it: refused unless they are off."""
-        c = self.cfg
-        if c.moe_aux_weight or c.router_z_weight:
-            raise ValueError(
-                "a pipeline computes the loss stage by stage and cannot add the MoE auxiliary "
-                "losses; set model.moe_aux_weight=0 and model.router_z_weight=0, or pipeline=1"
-            )
+        check_no_aux_losses(self.cfg)
         return self.stats_call(x_BTD, key)[0]
 
 
@@ -155,13 +150,7 @@ class LlamaMoE(Llama):
         for i in range(c.n_layers):
             x_BTD, stats = block_at(self.blocks, i).stats_call(x_BTD)
             per_layer.append(stats)
-        s = mean_stats(per_layer)
-        metrics = {
-            "moe_aux_loss": s["aux"], "moe_z_loss": s["z"], "moe_dropped_frac": s["dropped"],
-            "moe_expert_load": s["load"],
-        }  # fmt: skip
-        loss = c.moe_aux_weight * s["aux"] + c.router_z_weight * s["z"]
-        return self.unembed(x_BTD), {"loss": loss, "metrics": metrics}
+        return self.unembed(x_BTD), aux_of(per_layer, c)
 
     def __call__(self, tokens_BT, key=None):
         return self.aux_forward(tokens_BT, key)[0]

@@ -80,15 +80,34 @@ class MoEGroup(nnx.Module):
     def __call__(self, x_BTD, key=None):
         """The output alone: the form a pipeline stage calls. A pipeline computes the loss
         stage by stage, so the auxiliary losses cannot reach it: refused unless they are off."""
-        c = self.cfg
-        if c.moe_aux_weight or c.router_z_weight:
-            raise ValueError(
-                "a pipeline computes the loss stage by stage and cannot add the MoE auxiliary "
-                "losses; set model.moe_aux_weight=0 and model.router_z_weight=0, or pipeline=1"
-            )
+        check_no_aux_losses(self.cfg)
         return self.forward_stats(x_BTD, key)[0]
+
+
+def check_no_aux_losses(cfg) -> None:
+    """A pipeline stage calls an MoE block for its output alone: refuse auxiliary losses it
+    would silently leave out."""
+    if cfg.moe_aux_weight or cfg.router_z_weight:
+        raise ValueError(
+            "a pipeline computes the loss stage by stage and cannot add the MoE auxiliary "
+            "losses; set model.moe_aux_weight=0 and model.router_z_weight=0, or pipeline=1"
+        )
 
 
 def mean_stats(per_layer: list[dict]) -> dict:
     """The MoE layers' stats averaged over the layers."""
     return {k: jnp.mean(jnp.stack([s[k] for s in per_layer]), axis=0) for k in STAT_KEYS}
+
+
+def aux_of(per_layer: list[dict], cfg) -> dict:
+    """An MoE model's `aux_forward` aux: the weighted load-balancing and z-losses and the
+    routing metrics, averaged over its MoE layers (docs/model_contract.md)."""
+    s = mean_stats(per_layer)
+    metrics = {
+        "moe_aux_loss": s["aux"], "moe_z_loss": s["z"], "moe_dropped_frac": s["dropped"],
+        "moe_expert_load": s["load"],
+    }  # fmt: skip
+    return {
+        "loss": cfg.moe_aux_weight * s["aux"] + cfg.router_z_weight * s["z"],
+        "metrics": metrics,
+    }

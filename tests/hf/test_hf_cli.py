@@ -11,11 +11,13 @@ import os
 import numpy as np
 import pytest
 
+import jaxpar
 from jaxpar import cli
 from jaxpar.config import resolve_recipe, to_dict
 from jaxpar.hf import config as hf_config
 from jaxpar.hf import tensors
 from jaxpar.models.llama import LlamaConfig
+from jaxpar.tools import sample
 from tests.support.hardening_util import call, snapshot
 
 SMALL = LlamaConfig(vocab_size=256, seq_len=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -138,6 +140,15 @@ def test_init_from_then_export_is_bitwise_and_a_checkpoint_wins(capsys, tmp_path
     ]
     with open(run / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f if '"loss"' in x] == [1, 2]
+    # `jaxpar sample` of the run (KV-cached, grouped-query attention, rotary positions from the
+    # cache's offset): greedy, the tokens of an uncached argmax loop over the full forward pass.
+    cfg, model = jaxpar.from_hf(str(out))
+    ids = list(b"def main(")
+    for _ in range(12):
+        ids.append(int(np.argmax(np.asarray(model(np.asarray([ids])))[0, -1, :256])))
+    assert sample.sample(str(run), "def main(", max_new_tokens=12, temperature=0) == (
+        sample.run_codec(cfg, None).decode(ids)
+    )
 
 
 @pytest.mark.slow

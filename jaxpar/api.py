@@ -573,6 +573,7 @@ def _run_worker(fn: Callable[[], int | None]) -> int:
     bootstrap.initialize_from_env(stack_dump=not standby.pending())
     from jaxpar.recovery.checkpoint import (
         CheckpointMismatch,
+        NonFiniteState,
         Preempted,
         ReplicaMismatch,
         disk_full_path,
@@ -598,7 +599,7 @@ def _run_worker(fn: Callable[[], int | None]) -> int:
                 return EXIT_INTERRUPTED
             print(f"jaxpar: {e}", file=sys.stderr)
             return bootstrap.EXIT_PREEMPTED
-        except NonFiniteLoss as e:
+        except (NonFiniteLoss, NonFiniteState) as e:
             print(f"jaxpar: {e}", file=sys.stderr)
             return bootstrap.EXIT_NAN
         except ReplicaMismatch as e:

@@ -367,7 +367,9 @@ def _add_model_parsers(sub) -> None:
     exp.add_argument("--shard-size", default=None, metavar="SIZE",
                      help="--format hf: bytes per safetensors file, e.g. 2GiB (default) or "
                      "500MB")  # fmt: skip
-    exp.add_argument("--force", action="store_true", help="overwrite an earlier export")
+    exp.add_argument("--force", action="store_true",
+                     help="overwrite an earlier export; export a checkpoint holding non-finite "
+                     "values (refused without it)")  # fmt: skip
     exp.set_defaults(func=cmd_export)
 
 

@@ -54,6 +54,30 @@ class CheckpointMismatch(ValueError):
     """The checkpoint was written for another model, optimizer or data configuration."""
 
 
+class NonFiniteState(RuntimeError):
+    """The state to be saved holds NaNs or infinities (its loss was finite: its gradients were
+    not); nothing is saved from it."""
+
+    def __init__(self, step: int, bad: dict[str, int]):
+        first = next(iter(bad))
+        super().__init__(
+            f"the state of step {step} holds non-finite values ({sum(bad.values())} in "
+            f"{len(bad)} arrays, e.g. {first}); it is not saved: restart from the last good "
+            f"checkpoint"
+        )
+        self.step, self.bad = step, bad
+
+
+def refuse_nonfinite(run: RunDir, step: int, bad: dict[str, int], where: str) -> None:
+    """Record (a `nonfinite` event naming the arrays) and raise NonFiniteState for a state
+    `where` would have saved."""
+    if bad:
+        run.event(
+            WorkerEvent.NONFINITE, step=step, where=where, arrays=dict(list(bad.items())[:20])
+        )
+        raise NonFiniteState(step, bad)
+
+
 class ReplicaMismatch(RuntimeError):
     """Replicas of a parameter disagree across the data-parallel axes."""
 
@@ -157,7 +181,8 @@ def _padded_spec(x) -> tuple:
 
 
 def _local_hash_program(leaves: list, mesh) -> Callable:
-    """Compiled: every device hashes its blocks -> uint32[devices, leaves], gathered everywhere."""
+    """Compiled: every device hashes its blocks and counts their non-finite values ->
+    uint32[devices, 2 x leaves] (the hashes, then the counts), gathered everywhere."""
     specs = [_padded_spec(x) for x in leaves]
     shapes = [tuple(x.shape) for x in leaves]
     for x, spec in zip(leaves, specs, strict=True):
@@ -176,7 +201,10 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
                     index = index * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a)
                 offsets.append(index.astype(jnp.uint32) * jnp.uint32(block.shape[d]))
             hashes.append(_block_hash(block, shape, offsets))
-        vec = jnp.stack(hashes) if hashes else jnp.zeros((0,), jnp.uint32)
+        # then each block's count of NaNs and infinities: a state that holds any is not saved
+        bad = [jnp.sum(~jnp.isfinite(b), dtype=jnp.uint32) if jnp.issubdtype(b.dtype, jnp.floating)
+               else jnp.uint32(0) for b in blocks]  # fmt: skip
+        vec = jnp.stack(hashes + bad) if hashes else jnp.zeros((0,), jnp.uint32)
         return jax.lax.all_gather(vec, tuple(mesh.axis_names))
 
     fn = jax.shard_map(
@@ -215,23 +243,39 @@ class _Hashes:
         self.mesh = leaves[0].sharding.mesh if leaves else None
         self._out = _program_for(leaves)(*leaves) if leaves else None
 
+    def _all(self) -> np.ndarray:
+        out = np.asarray(jax.device_get(self._out))
+        return out.reshape(*self.mesh.devices.shape, 2 * len(self.paths))
+
     def get(self) -> np.ndarray:
         """uint32[*mesh shape, leaves]: the hash of each device's block of each leaf."""
-        out = np.asarray(jax.device_get(self._out))
-        return out.reshape(*self.mesh.devices.shape, len(self.paths))
+        return self._all()[..., : len(self.paths)]
+
+    def nonfinite(self) -> dict[str, int]:
+        """Path -> how many NaNs and infinities the leaf holds (one copy of each block counted;
+        a leaf with any on any device is named): the same answer on every process."""
+        if self._out is None:
+            return {}
+        counts = self._all()[..., len(self.paths) :]
+        anywhere = counts.reshape(-1, len(self.paths)).any(axis=0)
+        out = {}
+        for j, path in enumerate(self.paths):
+            if anywhere[j]:
+                out[path] = max(int(np.sum(counts[self._one_copy(j) + (j,)], dtype=np.uint64)), 1)
+        return out
+
+    def _one_copy(self, j: int) -> tuple:
+        """The index of one copy of leaf `j`'s blocks: coordinate 0 along every mesh axis the
+        leaf is replicated over."""
+        used = {a for e in self.specs[j] for a in _axes_of(e)}
+        return tuple(slice(None) if a in used else 0 for a in self.mesh.axis_names)
 
     def checksums(self) -> dict[str, int]:
         if self._out is None:
             return {}
         blocks = self.get()
-        names = list(self.mesh.axis_names)
-        out = {}
-        for j, (path, spec) in enumerate(zip(self.paths, self.specs, strict=True)):
-            used = {a for e in spec for a in _axes_of(e)}
-            # one copy of each block: coordinate 0 along every axis the leaf is replicated over
-            index = tuple(slice(None) if a in used else 0 for a in names)
-            out[path] = int(np.sum(blocks[index + (j,)], dtype=np.uint64) % 2**32)
-        return out
+        return {path: int(np.sum(blocks[self._one_copy(j) + (j,)], dtype=np.uint64) % 2**32)
+                for j, path in enumerate(self.paths)}  # fmt: skip
 
 
 _LAST: list = []  # [(leaves, _Hashes)]: the replica check before a save hashes the saved state
@@ -417,6 +461,8 @@ class Checkpointer:
         if step in self._own_steps:
             return 0.0  # already committed from this very state (restored, or a final re-save)
         t0 = time.time()
+        # a state with NaNs or infinities is never saved (it would be restored by every restart)
+        refuse_nonfinite(self.run, step, _hashes(state).nonfinite(), "checkpoint")
         self.run.event(WorkerEvent.SAVE_BEGIN, step=step)
         self.wait()  # one save in flight: a slow previous one blocks too
         if step in self.manager.all_steps():  # left by a run restored from an older step

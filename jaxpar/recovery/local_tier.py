@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxpar.recovery import compile_cache, local_tier_clean, peer_tier
 from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLOTS: the tier's file layout
@@ -235,7 +236,15 @@ class LocalTier:
 
         def lower():
             shardings = jax.tree.map(lambda x: x.sharding, abstract)
-            fn = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
+            leaves = jax.tree.leaves(abstract)
+            everywhere = jax.sharding.NamedSharding(leaves[0].sharding.mesh, PartitionSpec())
+
+            def copy(s):  # and whether it is all finite (one answer on every process)
+                floats = [x for x in jax.tree.leaves(s) if jnp.issubdtype(x.dtype, jnp.floating)]
+                finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats] or [True]))
+                return jax.tree.map(jnp.copy, s), finite
+
+            fn = jax.jit(copy, out_shardings=(shardings, everywhere))
             return fn.lower(abstract)
 
         self._copy = compile_cache.compile_by_key("snapshot_copy", key, lower)[0]
@@ -267,7 +276,7 @@ class LocalTier:
             self.warm_up()
         copy = self._copy(state)  # dispatched; the writer waits for it, the loop does not
         self._idle.clear()
-        self._queue.put((step, copy))
+        self._queue.put((step, *copy))
 
     def wait(self) -> None:
         """Block until the snapshot in flight (if any) is committed."""
@@ -278,9 +287,12 @@ class LocalTier:
             item = self._queue.get()
             if item is None:
                 return
-            step, tree = item
+            step, tree, finite = item
             t0 = time.time()
             try:
+                if not bool(finite.addressable_data(0)):  # never a snapshot of NaNs or infinities
+                    self.run.event(WorkerEvent.NONFINITE, step=step, where="snapshot")
+                    continue
                 self._write(step, tree)
                 self.stats.snapshots += 1
             except _Stopped:

@@ -19,6 +19,8 @@ Injection points (`at`), in the order they come at step S:
     before_snapshot  the local tier's hook: snapshot S written, its commit marker not yet
     before_give      a replica group's process asked by the group hub for its state at step S
                      (a group rejoins from it), before it sends any of it
+    before_average   a replica group's process has computed step S's gradients, before it sends
+                     them to the hub (a function of them)
     inside_average   a replica group's process has sent the hub its shards of step S's
                      gradients and waits for the quorum's average
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POINTS = ("before_step", "on_state", "before_commit", "before_snapshot", "before_give",
-          "inside_average")  # fmt: skip
+          "before_average", "inside_average")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ TABLE: tuple[FaultKind, ...] = (
     FaultKind("killgive", "before_give", True, None, "killgive@S[:process=P]",
               "SIGKILL when first asked for its state at step S or later, before sending it "
               "(--groups: the donor of a rejoining group lost during the state transfer)"),
+    FaultKind("nangrad", "before_average", True, None, "nangrad@S[:process=P]",
+              "multiplies that process's gradients of step S (or of the first step after S it "
+              "computes) by NaN once they are computed, its loss finite (--groups: the hub "
+              "drops its group from the step, which restarts and rejoins from a peer)"),
     FaultKind("killavg", "inside_average", True, None, "killavg@S[:process=P]",
               "SIGKILL a moment after sending the group hub its shards of step S's gradients, "
               "before the average comes back (--groups: a member lost inside the average)"),

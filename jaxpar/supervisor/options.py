@@ -48,8 +48,8 @@ class Options:
     straggler_factor: float = 2.0
     faults: list[str] = field(default_factory=list)
     rendezvous_timeout_s: float = 300.0
-    # a control connection must complete the whole handshake within this (not per read): an
-    # unauthenticated connection holds one of the leader's few handshake slots no longer
+    # a connection to the control channel or the group hub must complete the whole handshake
+    # within this (not per read): an unauthenticated connection holds a handshake slot no longer
     handshake_timeout_s: float = 5.0
     poll_s: float = 0.1
     # replica groups (jaxpar/supervisor/replicas.py): nproc / groups processes each, data

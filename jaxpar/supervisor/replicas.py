@@ -34,7 +34,8 @@ from typing import Any
 
 from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, write_json
-from jaxpar.supervisor.channel import token
+from jaxpar.supervisor.admission import MAX_PENDING, MAX_PER_SOURCE, Gate, Pending, Refusals
+from jaxpar.supervisor.channel import printable, token
 from jaxpar.supervisor.group import LocalGroup
 from jaxpar.supervisor.group_hosts import RemoteGroup, RemoteHost, group_key
 from jaxpar.supervisor.job import JobState
@@ -51,6 +52,9 @@ GROUP_RESTART = SupervisorEvent.GROUP_RESTART
 GROUP_JOINED = SupervisorEvent.GROUP_JOINED
 GROUP_STOPPED = SupervisorEvent.GROUP_STOPPED
 QUORUM = SupervisorEvent.QUORUM_CHANGED
+# a group whose gradient norm is more than this many times the median of the other groups'
+# (3 groups or more) is dropped from the step, as one with non-finite values is
+NORM_FACTOR = 100.0
 
 
 def default_min_groups(groups: int) -> int:
@@ -86,7 +90,8 @@ class Hub:
     """The leader's group hub: one listening socket, one reader thread per worker connection."""
 
     def __init__(self, bind: str, key: bytes, groups: int, per_group: int, min_groups: int,
-                 event, on_drop, advertise: str | None = None) -> None:  # fmt: skip
+                 event, on_drop, advertise: str | None = None,
+                 handshake_s: float | None = None) -> None:  # fmt: skip
         self.key, self.groups, self.per_group, self.min_groups = key, groups, per_group, min_groups
         self.event, self.on_drop = event, on_drop
         self.cv = threading.Condition()
@@ -120,6 +125,12 @@ class Hub:
         self.released = 0
         self.group_steps_lost = 0
         self.finished: set[int] = set()
+        # group -> what its average's leaves are, in order ([(name, leaves)]: loss, metrics,
+        # gradients), as its processes said: for naming what was not finite
+        self.names: dict[int, list[tuple[str, int]]] = {}
+        # group -> why the hub dropped it from a step (its contribution was checked): the
+        # supervisor's reason for its restart
+        self.causes: dict[int, str] = {}
         self.sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
         self.sock.bind((bind, 0))
         self.sock.listen(64)
@@ -127,48 +138,59 @@ class Hub:
         self.address = join_address(advertise or bind, self.sock.getsockname()[1])
         self.closed = False
         self.stopping = False  # the job is being stopped (a preemption): exits are no failures
-        threading.Thread(target=self._accept, daemon=True, name="jaxpar-hub").start()
+        # every worker connects from its host's address, all of them at a start: the gate's
+        # bounds leave room for all the job's workers at once
+        members = groups * per_group
+        self.refusals = Refusals(event, what="group hub connection", fields={"server": "hub"})
+        deadline_s = handshake_s or group_wire.HANDSHAKE_S
+        self.gate = Gate(self.sock, self._serve, deadline_s=deadline_s, refusals=self.refusals,
+                         max_pending=max(MAX_PENDING, 2 * members),
+                         max_per_source=max(MAX_PER_SOURCE, members), name="jaxpar-hub")  # fmt: skip
 
     # -- connections ----------------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        who, wire = None, None
+    def _serve(self, slot: Pending) -> None:
+        """One worker connection (its own thread, admitted by the gate): the handshake, then
+        every frame it sends. An error before it proves the group key refuses the connection
+        (the gate records it); any error after it drops that worker's group."""
+        hello, wire = group_wire.server_handshake(slot.sock, self.key, slot.deadline,
+                                                  proven=lambda: self.gate.admitted(slot))  # fmt: skip
+        g, k = int(hello.get("group", -1)), int(hello.get("rank", -1))
+        if not (0 <= g < self.groups and 0 <= k < self.per_group):
+            raise WireError(f"a worker of group {g} rank {k}, outside the job")
+        who = (g, k)
+        with self.cv:
+            if g not in self.alive:
+                raise WireError(f"group {g} is not running")
+            wire.limit = self._frame_limit()
+            box = self.wires[who] = Outbox(wire, name=f"jaxpar-hub-to-{g}.{k}")
         try:
-            hello, wire = group_wire.server_handshake(conn, self.key)
-            g, k = int(hello.get("group", -1)), int(hello.get("rank", -1))
-            if not (0 <= g < self.groups and 0 <= k < self.per_group):
-                raise WireError(f"a worker of group {g} rank {k}, outside the job")
-            who = (g, k)
-            with self.cv:
-                if g not in self.alive:
-                    raise WireError(f"group {g} is not running")
-                box = self.wires[who] = Outbox(wire, name=f"jaxpar-hub-to-{g}.{k}")
             while True:
                 header, arrays = wire.recv()
                 with self.cv:
                     if self.wires.get(who) is not box:  # dropped: what it still sends is stale
                         return
                     self._handle(who, header, arrays)
-        except (OSError, WireError, ValueError, TypeError, ConnectionError) as e:
+        except Exception as e:  # noqa: BLE001 - a bad frame of any kind ends this connection only
             with self.cv:
                 # a group dropped already (its wires gone, perhaps restarted since) or finished
-                box = self.wires.get(who) if who is not None else None
+                box = self.wires.get(who)
                 current = box is not None and box.wire is wire
-                if not current or who[0] in self.finished:
-                    with contextlib.suppress(OSError):
-                        conn.close()
+                if not current or g in self.finished:
+                    wire.close()
                     return
-                why = f"connection of group {who[0]} process {who[1]} lost ({e})"
-                self._drop(who[0], why, record=not self.stopping)  # a preempted group: no failure
-            self.on_drop(who[0])
+                err = printable(e) or type(e).__name__
+                why = f"connection of group {g} process {k} lost ({err})"
+                self._drop(g, why, record=not self.stopping)  # a preempted group: no failure
+            self.on_drop(g)
+
+    def _frame_limit(self) -> int:
+        """The largest frame a worker may send (under self.cv): before the job's state is known
+        none carries arrays (a `ready` names its leaves only); after, twice the state's bytes
+        (gradients of another dtype) and 1 MiB of metrics."""
+        if self.model is None:
+            return group_wire.READY_PAYLOAD
+        return group_wire.carried(group_layout.nbytes(*self.model))
 
     def _send(self, who: tuple[int, int], header: dict, arrays: list = ()) -> None:
         box = self.wires.get(who)
@@ -189,6 +211,7 @@ class Hub:
         elif kind == "average":
             step = int(header.get("step", -1))
             layout = group_layout.parse(header, arrays)
+            self._name_parts(g, header.get("parts"), len(layout.shapes))
             if g in self.joined and step >= self.joined[g]:
                 self.pending.setdefault(step, {})[who] = (layout, arrays)
                 self.first_seen.setdefault(step, time.time())
@@ -264,6 +287,8 @@ class Hub:
         models = [self.layouts[(g, k)].model for k in range(self.per_group)]
         if self.model is None:
             self.model = models[0]
+            for box in self.wires.values():  # frames may carry the state's arrays from now on
+                box.wire.limit = self._frame_limit()
         for model in models:
             if model == self.model:
                 continue
@@ -320,6 +345,12 @@ class Hub:
                 self._drop(g if g != q[0] else q[-1], f"group {g} sent shards that do not make "
                            f"up the leaves of group {q[0]}'s")  # fmt: skip
                 return
+        bad = self._screen(step, q, parts)
+        if bad is not None:  # out of this step and restarted from a peer; the rest go on
+            g, why = bad
+            self.causes[g] = why
+            self._drop(g, why)
+            return
         listeners = self.listeners.get(step, {})
         for who, lay in list(listeners.items()):
             if lay.model != model:
@@ -348,6 +379,50 @@ class Hub:
             self.event(QUORUM, step=step + 1, quorum=q, groups=self.groups)
             self.last_quorum = q
         self.cv.notify_all()
+
+    def _name_parts(self, g: int, parts: object, leaves: int) -> None:
+        """Group `g`'s naming of its average's leaves ([[name, count], ...] adding up to them);
+        anything else is ignored (the leaves are then numbered only)."""
+        ok = isinstance(parts, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int
+            and p[1] >= 0 for p in parts
+        )  # fmt: skip
+        if ok and sum(p[1] for p in parts) == leaves and len(parts) <= 8:
+            self.names[g] = [(printable(name, 40), n) for name, n in parts]
+        else:
+            self.names.pop(g, None)
+
+    def _screen(self, step: int, q: list[int], parts: dict) -> tuple[int, str] | None:
+        """The first group of quorum `q` whose contribution to `step` must not enter the average,
+        and why: a NaN or an infinity anywhere in it, or (with 3 groups or more) a gradient norm
+        more than NORM_FACTOR times the median of the other groups'."""
+        norms = {}
+        for g in q:
+            spans, at = {}, 0
+            for name, n in self.names.get(g, []):
+                spans[name] = range(at, at + n)
+                at += n
+            bad, norms[g] = group_layout.screen(parts[g], spans.get("gradients"))
+            if bad:
+                what = sorted({next((name for name, r in spans.items() if leaf in r), "")
+                               for leaf in bad} - {""}) or ["values"]  # fmt: skip
+                return g, (f"non-finite {' and '.join(what)} in step {step + 1} (NaN or inf in "
+                           f"{len(bad)} of its {len(parts[g][0][0].shapes)} leaves), dropped "
+                           f"before the average")  # fmt: skip
+        for g in q if len(q) >= 3 else []:
+            others = sorted(norms[h] for h in q if h != g)
+            median = others[len(others) // 2]
+            if median > 0 and norms[g] > NORM_FACTOR * median:
+                return g, (f"gradient norm {norms[g]:.3g} in step {step + 1}, more than "
+                           f"{NORM_FACTOR:g} times the other groups' median {median:.3g}, "
+                           f"dropped before the average")  # fmt: skip
+        return None
+
+    def take_causes(self) -> dict[int, str]:
+        """Groups the hub dropped for their contribution since the last call, and why."""
+        with self.cv:
+            out, self.causes = self.causes, {}
+            return out
 
     def _forward_state(self, who: tuple[int, int], header: dict, arrays: list) -> None:
         g, k = who
@@ -401,6 +476,7 @@ class Hub:
         self.ready.pop(g, None)
         self.transfers.pop(g, None)
         self.outer_only.discard(g)
+        self.names.pop(g, None)
         for k in range(self.per_group):
             self.layouts.pop((g, k), None)
         for k in range(self.per_group):
@@ -504,6 +580,7 @@ class Hub:
 
     def close(self) -> None:
         self.closed = True
+        self.gate.close()
         with contextlib.suppress(OSError):
             self.sock.close()
         with self.cv:
@@ -625,7 +702,8 @@ class ReplicaSupervisor(JobState):
                 self.hosts = [RemoteHost(n, self.event) for n in nodes]
             self.hub = Hub(o.bind, key, o.groups, self.per_group, o.min_groups, self.event,
                            lambda g: self.waker.poke(),
-                           advertise=o.host if o.nnodes > 1 else None)  # fmt: skip
+                           advertise=o.host if o.nnodes > 1 else None,
+                           handshake_s=o.handshake_timeout_s)  # fmt: skip
             self.slots = [(n, i) for n in range(o.nnodes) for i in range(o.nproc)]
             self.tail = EventTail(self.events_path)
             self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
@@ -748,6 +826,9 @@ class ReplicaSupervisor(JobState):
             with self.hub.cv:
                 lost = [g for g in range(len(self.groups))
                         if g not in self.hub.alive and g not in self.done | self.gone]  # fmt: skip
+            # groups the hub dropped for their contribution: that is why they restart (their
+            # processes, told to stop, exit after the hub said why)
+            failed.update(self.hub.take_causes())
             for g in lost:
                 failed.setdefault(g, "its connection to the group hub was lost")
             with self.hub.cv:
@@ -867,6 +948,8 @@ class ReplicaSupervisor(JobState):
         `others`: some other group is still training (else every group restarts)."""
         assert self.hub is not None
         self.hub.drop(g, why)
+        with self.hub.cv:
+            self.hub.causes.pop(g, None)  # this restart is the one for it
         self.groups[g].stop(0.0)
         self.event(GROUP_FAILURE, group=g, why=why, source="supervisor")
         say(f"group {g} failed ({why})" + ("; the other groups keep training" if others else ""))

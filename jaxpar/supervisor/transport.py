@@ -14,10 +14,9 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
-from jaxpar.rundir.runlog import SupervisorEvent
+from jaxpar.supervisor.admission import Gate, Pending, Refusals
 from jaxpar.supervisor.channel import (
     Channel,
     ChannelError,
@@ -32,8 +31,6 @@ from jaxpar.supervisor.channel import (
 from jaxpar.supervisor.group import LocalGroup, Wakeup
 from jaxpar.supervisor.options import Options, say
 
-MAX_HANDSHAKES = 32  # connections being admitted at once
-MAX_PER_SOURCE = 4  # of them from one address
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGCONT)  # what a leader may have sent
 
 
@@ -111,70 +108,12 @@ class RemoteNode:
         self.chan.close()
 
 
-class Refusals:
-    """Refused control connections as `control_rejected` events (and console lines): the first
-    `each` of every `interval_s` one by one, the rest as one summary event at the end of the
-    interval with their count, so that a flood fills neither events.jsonl nor the console."""
-
-    def __init__(self, event: Callable, each: int = 10, interval_s: float = 10.0):
-        self.event, self.each, self.interval_s = event, each, interval_s
-        self._lock = threading.Lock()
-        self._since = time.monotonic()
-        self.total = 0  # refusals so far
-        self._seen = 0  # refusals in this interval
-        self._reasons: Counter = Counter()  # those not recorded one by one
-        self._sources: Counter = Counter()
-
-    def add(self, peer: str, reason: str, loud: bool = False) -> None:
-        """One refusal; `loud`: also said on the console (when recorded one by one)."""
-        self.flush()
-        with self._lock:
-            self.total += 1
-            self._seen += 1
-            alone = self._seen <= self.each
-            if not alone:
-                self._reasons[reason] += 1
-                self._sources[peer.rpartition(":")[0]] += 1
-        if alone:
-            self.event(SupervisorEvent.CONTROL_REJECTED, peer=peer, reason=reason)
-            if loud:
-                say(f"refused a control connection from {peer}: {printable(reason)}")
-
-    def flush(self, force: bool = False) -> None:
-        """Record the summary of an interval that has ended (`force`: the one under way)."""
-        with self._lock:
-            if not force and time.monotonic() - self._since < self.interval_s:
-                return
-            reasons, sources = self._reasons, self._sources
-            took = time.monotonic() - self._since
-            self._since, self._seen = time.monotonic(), 0
-            self._reasons, self._sources = Counter(), Counter()
-        count = sum(reasons.values())
-        if not count:
-            return
-        ((top, n),) = sources.most_common(1)
-        self.event(SupervisorEvent.CONTROL_REJECTED, peer=f"{len(sources)} address(es), most {top}",
-                   reason=f"{count} more connections refused in {took:.0f}s", count=count,
-                   reasons=dict(reasons.most_common(5)),
-                   sources=dict(sources.most_common(5)))  # fmt: skip
-        say(f"refused {count} more control connections in {took:.0f}s ({n} from {top}; "
-            f"{printable(reasons.most_common(1)[0][0])})")  # fmt: skip
-
-
-class _Pending:
-    """A connection in its handshake: it holds one of the leader's slots."""
-
-    def __init__(self, sock: socket.socket, source: str):
-        self.sock, self.source, self.since, self.evicted = sock, source, time.monotonic(), False
-
-
 class Rendezvous:
-    """The leader's listening socket: admits the other agents, each connection in its own thread.
-
-    At most MAX_HANDSHAKES connections are in their handshake at once, MAX_PER_SOURCE of them
-    from one address; each has `opts.handshake_timeout_s` for the whole handshake, and when the
-    slots are full a new connection takes the oldest one's slot. `event(name, **fields)` records
-    what was refused (rate-limited: `Refusals`); `waker` is poked on every message."""
+    """The leader's listening socket: admits the other agents under the rules of
+    jaxpar/supervisor/admission.py (bounded handshakes, each in its own thread, a deadline of
+    `opts.handshake_timeout_s` for the whole of it, the oldest cut short for a new one, an accept
+    loop that outlives any error). `event(name, **fields)` records what was refused
+    (rate-limited: `Refusals`); `waker` is poked on every message."""
 
     def __init__(self, opts: Options, key: bytes, event: Callable, waker: Wakeup):
         self.opts, self.key, self.waker = opts, key, waker
@@ -183,98 +122,49 @@ class Rendezvous:
         self.taken: dict[int, RemoteNode] = {}
         self._lock = threading.Lock()
         self.closed = False
-        self._pending: list[_Pending] = []
         family = socket.AF_INET6 if ":" in opts.bind else socket.AF_INET
         self.server = socket.create_server((opts.bind, opts.control_port), family=family)
-        self.server.settimeout(0.5)
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.gate = Gate(self.server, self._handshake, deadline_s=opts.handshake_timeout_s,
+                         refusals=self.refusals, name="jaxpar-rendezvous")  # fmt: skip
 
-    def _accept(self) -> None:
-        try:
-            while not self.closed:
-                self.refusals.flush()
-                try:
-                    sock, addr = self.server.accept()
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if (slot := self._take_slot(sock, addr[0])) is None:
-                    with contextlib.suppress(OSError):
-                        sock.close()
-                    self.refusals.add(f"{addr[0]}:{addr[1]}",
-                                      f"more than {MAX_PER_SOURCE} handshakes at once from {addr[0]}")  # fmt: skip
-                    continue
-                threading.Thread(target=self._admit, args=(slot, addr), daemon=True).start()
-        finally:
-            self.refusals.flush(force=True)
-
-    def _take_slot(self, sock: socket.socket, source: str) -> _Pending | None:
-        """A handshake slot for a new connection (None: its address holds too many); when all are
-        taken the oldest handshake is cut short, so slow connections cannot keep a real agent out."""
-        with self._lock:
-            if sum(p.source == source for p in self._pending) >= MAX_PER_SOURCE:
-                return None
-            if len(self._pending) >= MAX_HANDSHAKES:
-                oldest = self._pending.pop(0)
-                oldest.evicted = True
-                with contextlib.suppress(OSError):
-                    oldest.sock.shutdown(socket.SHUT_RDWR)
-            slot = _Pending(sock, source)
-            self._pending.append(slot)
-            return slot
-
-    def _admit(self, slot: _Pending, addr) -> None:
-        try:
-            self._handshake(slot, f"{addr[0]}:{addr[1]}")
-        finally:
-            with self._lock, contextlib.suppress(ValueError):
-                self._pending.remove(slot)
-
-    def _handshake(self, slot: _Pending, peer: str) -> None:
-        sock = slot.sock
-        deadline = time.monotonic() + self.opts.handshake_timeout_s
+    def _handshake(self, slot: Pending) -> None:
+        """One connection's handshake (in its own thread); an exception refuses it (Gate)."""
+        sock, peer = slot.sock, slot.peer
         lines = Lines(sock)
-        try:
-            nonce = secrets.token_hex(16)
-            sock.settimeout(self.opts.handshake_timeout_s)
-            send_line(sock, {"challenge": nonce})
-            hello = lines.next(deadline)
-            if hello is None or "hello" not in hello:
-                raise ChannelError("no hello")
-            rank, nproc = _int(hello, "hello"), _int(hello, "nproc")
-            theirs = hello.get("nonce")
-            if not isinstance(theirs, str) or len(theirs) > 64 or "mac" not in hello:
-                raise ChannelError("no proof of the token")
-            if not same(hello["mac"], mac(self.key, "f", nonce, theirs, rank, nproc)):
-                self._refuse(sock, peer, "authentication failed (the agents' tokens differ)",
-                             (theirs, nonce))  # fmt: skip
-                return
-            with self._lock:
-                if not 0 < rank < self.opts.nnodes:
-                    reason = f"node rank {rank} is not in [1, {self.opts.nnodes})"
-                elif rank in self.taken or self.closed:
-                    reason = f"node rank {rank} has already joined"
-                elif not 0 < nproc <= 4096:
-                    reason = f"nproc {nproc} is not in [1, 4096]"
-                else:
-                    reason = None
-                    send_line(sock, {"welcome": mac(self.key, "l", theirs, nonce)})
-                    session = Session(self.key, nonce, theirs, leader=True)
-                    node = RemoteNode(Channel(sock, lines, session, self.waker), hello)
-                    self.taken[rank] = node
-            if reason:
-                self._refuse(sock, peer, reason, (theirs, nonce))
-                return
-            self.joined.put(node)
-            self.waker.poke()
-        except (OSError, ChannelError) as e:
-            why = str(e) or type(e).__name__
-            if slot.evicted:
-                why = f"handshake cut short: more than {MAX_HANDSHAKES} at once ({why})"
-            self.refusals.add(peer, why)
-            with contextlib.suppress(OSError):
-                sock.close()
+        nonce = secrets.token_hex(16)
+        sock.settimeout(self.opts.handshake_timeout_s)
+        send_line(sock, {"challenge": nonce})
+        hello = lines.next(slot.deadline)
+        if hello is None or "hello" not in hello:
+            raise ChannelError("no hello")
+        rank, nproc = _int(hello, "hello"), _int(hello, "nproc")
+        theirs = hello.get("nonce")
+        if not isinstance(theirs, str) or len(theirs) > 64 or "mac" not in hello:
+            raise ChannelError("no proof of the token")
+        if not same(hello["mac"], mac(self.key, "f", nonce, theirs, rank, nproc)):
+            self._refuse(sock, peer, "authentication failed (the agents' tokens differ)",
+                         (theirs, nonce))  # fmt: skip
+            return
+        if not self.gate.admitted(slot):  # cut short meanwhile
+            raise ChannelError("proved the token too late")
+        with self._lock:
+            if not 0 < rank < self.opts.nnodes:
+                reason = f"node rank {rank} is not in [1, {self.opts.nnodes})"
+            elif rank in self.taken or self.closed:
+                reason = f"node rank {rank} has already joined"
+            elif not 0 < nproc <= 4096:
+                reason = f"nproc {nproc} is not in [1, 4096]"
+            else:
+                reason = None
+                send_line(sock, {"welcome": mac(self.key, "l", theirs, nonce)})
+                session = Session(self.key, nonce, theirs, leader=True)
+                node = RemoteNode(Channel(sock, lines, session, self.waker), hello)
+                self.taken[rank] = node
+        if reason:
+            self._refuse(sock, peer, reason, (theirs, nonce))
+            return
+        self.joined.put(node)
+        self.waker.poke()
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str, nonces: tuple) -> None:
         """Tell an agent why it is refused, with a MAC it can verify if it has the token (and a
@@ -300,6 +190,7 @@ class Rendezvous:
         finally:
             with self._lock:
                 self.closed = True
+            self.gate.close()
             self.server.close()
         return [self.taken[r] for r in sorted(self.taken)]
 

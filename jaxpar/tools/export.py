@@ -79,6 +79,8 @@ def export(run_dir: str, out: str, force: bool = False) -> dict:
     cfg, variables, step = finished_run.load_variables(run_dir)
     params = _flat(variables["params"])
     state = _flat(variables.get(STATE_KEY, {}))
+    if not force:
+        refuse_nonfinite(run_dir, step, {**params, **state})
     meta = {
         "format": FORMAT, "model": to_dict(cfg)["model"], "step": step,
         "parameters": int(sum(v.size for v in params.values())), "state": sorted(state),
@@ -103,10 +105,25 @@ def export_hf(run_dir: str, out: str, *, shard_bytes: int, force: bool = False) 
         raise ValueError(f"jaxpar export --format hf {run_dir}: {e}") from None
     cfg, variables, step = finished_run.load_variables(run_dir)
     params = finished_run.to_numpy(variables["params"])
+    if not force:
+        refuse_nonfinite(run_dir, step, param_names(params))
     tokenizer = cfg.data.path or None
     summary = hf_save.write_folder(out, cfg.model, params, shard_bytes=shard_bytes,
                                    tokenizer_dir=tokenizer, force=force)  # fmt: skip
     return {**summary, "step": step}
+
+
+def refuse_nonfinite(run_dir: str, step: int, tensors: dict[str, np.ndarray]) -> None:
+    """ValueError (one line) when the checkpoint's tensors hold a NaN or an infinity."""
+    floats = {k: v for k, v in tensors.items() if v.dtype.kind not in "biu"}  # bfloat16 too
+    bad = {k: int(v.size - np.isfinite(v).sum()) for k, v in floats.items()}
+    bad = {k: n for k, n in bad.items() if n}
+    if bad:
+        raise ValueError(
+            f"{run_dir}: the checkpoint of step {step} holds non-finite values ({sum(bad.values())} "
+            f"in {len(bad)} of {len(tensors)} tensors, e.g. {next(iter(bad))}); pass --force to "
+            f"export it anyway"
+        )
 
 
 def _flat(tree: dict) -> dict[str, np.ndarray]:

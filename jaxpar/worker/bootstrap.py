@@ -34,7 +34,7 @@ from jaxpar.rundir import runlog
 # Worker exit codes the supervisor understands (anything else non-zero is cause `exit`).
 EXIT_PREEMPTED = 42  # a preemption notice (SIGTERM) was honoured: checkpoint saved, then exit
 EXIT_COLLECTIVE = 43  # a collective / coordination error: a peer is gone, exit without waiting
-EXIT_NAN = 44  # a non-finite loss was detected inside the step: roll back to the last checkpoint
+EXIT_NAN = 44  # a non-finite loss (or a NaN state to be saved): roll back to the last checkpoint
 EXIT_REPLICA = 45  # data-parallel replicas disagree: restart from the last good checkpoint
 EXIT_USAGE = 2  # a usage or configuration error: the supervisor does not restart it
 EXIT_NO_SPACE = 46  # the run directory's disk is full (ENOSPC): restarting cannot help

@@ -195,6 +195,13 @@ class Faults:
         for kind in fault_kinds.at("before_give"):
             IMPLEMENTATIONS[kind](self, step + 1)
 
+    def before_average(self, step: int, tree):
+        """A replica group's process computed `step`'s (0-based) gradients (`tree`), before
+        sending them to the hub; the tree it sends."""
+        for kind in fault_kinds.at("before_average"):
+            tree = IMPLEMENTATIONS[kind](self, step + 1, tree)
+        return tree
+
     def inside_average(self, step: int) -> None:
         """A replica group's process sent its shards of `step`'s (0-based) gradients to the hub
         and waits for the average."""
@@ -303,6 +310,12 @@ def _killgive(f: Faults, at: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _nangrad(f: Faults, at: int, grads):
+    if not f._take("nangrad", at, since=True):  # S or the first step after it computed here
+        return grads
+    return times_nan(grads)  # the loss, computed before, stays finite
+
+
 def _killavg(f: Faults, at: int) -> None:
     if f._take("killavg", at):
         time.sleep(0.2)  # the hub has read the shards: the average waits with them
@@ -312,7 +325,7 @@ def _killavg(f: Faults, at: int) -> None:
 IMPLEMENTATIONS: dict[str, Callable] = {
     "kill": _kill, "hang": _hang, "sigterm": _sigterm, "slow": _slow, "losthost": _losthost,
     "corrupt": _corrupt, "diverge": _diverge, "nan": _nan, "killsave": _killsave,
-    "killsnap": _killsnap, "killgive": _killgive, "killavg": _killavg,
+    "killsnap": _killsnap, "killgive": _killgive, "nangrad": _nangrad, "killavg": _killavg,
 }  # fmt: skip
 
 

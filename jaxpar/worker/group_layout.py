@@ -153,6 +153,32 @@ def mean(parts: list[tuple[Layout, list[np.ndarray]]], groups: int) -> list[np.n
     return [(t / groups).astype(d) for t, d in zip(totals, lay0.dtypes, strict=True)]
 
 
+def nbytes(shapes, dtypes) -> int:
+    """The bytes of whole leaves of these shapes and dtypes."""
+    return sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True))
+
+
+def screen(parts: list[tuple[Layout, list[np.ndarray]]], norm_of=None) -> tuple[list[int], float]:
+    """One group's pieces (its processes' `parts`, which tile each leaf once): the leaves holding
+    a NaN or an infinity, and the L2 norm (float64) of the finite leaves in `norm_of` (all when
+    None)."""
+    bad: set[int] = set()
+    squares = 0.0
+    for lay, arrays in parts:
+        at = 0
+        for leaf, idx in enumerate(lay.pieces):
+            for a in arrays[at : at + len(idx)]:
+                if a.dtype.kind != "f" or leaf in bad:
+                    continue
+                if not np.isfinite(a).all():
+                    bad.add(leaf)
+                elif norm_of is None or leaf in norm_of:
+                    x = a.reshape(-1).astype(np.float64)
+                    squares += float(x @ x)
+            at += len(idx)
+    return sorted(bad), math.sqrt(squares)
+
+
 def assemble(parts: list[tuple[Layout, list[np.ndarray]]]) -> list[np.ndarray]:
     """The leaves put together from the pieces in `parts` (which cover them)."""
     lay0 = parts[0][0]
@@ -172,4 +198,5 @@ def cut(leaves: list[np.ndarray], layout: Layout) -> list[np.ndarray]:
             for leaf, idx in enumerate(layout.need) for i in idx]  # fmt: skip
 
 
-__all__ = ["Layout", "assemble", "covers", "cut", "fields", "mean", "parse", "tiles", "whole"]
+__all__ = ["Layout", "assemble", "covers", "cut", "fields", "mean", "nbytes", "parse", "screen",
+           "tiles", "whole"]  # fmt: skip

@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 
@@ -43,6 +44,10 @@ ENV_TIDY = "JAXPAR_GROUP_TIDY"
 
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 36  # 64 GiB: one process's share of a state
+# what a connection's frames may carry before the job's state is known (a `ready` names its
+# leaves, no arrays); after, `carried(the state's bytes)`
+READY_PAYLOAD = 1 << 20
+CHUNK = 1 << 24  # a frame's bytes are read (and its buffer grown) this much at a time
 DTYPES = frozenset(
     ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
      "uint32", "uint64", "bool")
@@ -52,6 +57,13 @@ HANDSHAKE_S = 30.0
 
 class WireError(Exception):
     """A frame that is malformed, too large or not authentic: the connection is dropped."""
+
+
+def carried(state_bytes: int) -> int:
+    """The most a frame of a job whose state is `state_bytes` carries: a state transfer holds at
+    most the state, a step's average its gradients (at most twice the parameters' bytes, in
+    another dtype) and metrics; at most MAX_PAYLOAD."""
+    return min(2 * state_bytes + READY_PAYLOAD, MAX_PAYLOAD)
 
 
 def session_key(key: bytes, worker_nonce: str, hub_nonce: str) -> bytes:
@@ -108,10 +120,13 @@ def checksum(arrays: list[np.ndarray]) -> str:
 
 
 class Wire:
-    """One authenticated connection: `send(header, arrays)` and `recv() -> (header, arrays)`."""
+    """One authenticated connection: `send(header, arrays)` and `recv() -> (header, arrays)`.
+    A frame may carry at most `limit` bytes of arrays (set by its owner once it knows the job's
+    state: `carried`); its bytes are read as they come, so a header that announces more than
+    arrives costs no more memory than what did."""
 
-    def __init__(self, sock: socket.socket, key: bytes, *, hub: bool):
-        self.sock, self.key = sock, key
+    def __init__(self, sock: socket.socket, key: bytes, *, hub: bool, limit: int = MAX_PAYLOAD):
+        self.sock, self.key, self.limit = sock, key, limit
         self.out_dir, self.in_dir = ("h", "w") if hub else ("w", "h")
         self.sent = self.received = 0
         self._lock = threading.Lock()
@@ -136,10 +151,13 @@ class Wire:
             self.sock.sendall(tag)
 
     def _exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        """`n` bytes, the buffer grown (doubled, from CHUNK) as they arrive."""
+        buf, got = bytearray(min(n, CHUNK)), 0
         while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, 1 << 24))
+            if got == len(buf):
+                buf.extend(bytes(min(n - got, len(buf))))
+            with memoryview(buf) as view, view[got:] as rest:
+                k = self.sock.recv_into(rest, min(len(rest), CHUNK))
             if not k:
                 raise ConnectionError("connection closed")
             got += k
@@ -157,7 +175,11 @@ class Wire:
         if not isinstance(header, dict):
             raise WireError("frame header is not a JSON object")
         specs = header.get("arrays", [])
-        payload = self._exactly(check_specs(specs))
+        size = check_specs(specs)
+        if size > self.limit:
+            raise WireError(f"a frame of {size} bytes, more than this connection carries "
+                            f"({self.limit})")  # fmt: skip
+        payload = self._exactly(size)
         tag = bytes(self._exactly(32))
         n, self.received = self.received, self.received + 1
         if not hmac.compare_digest(tag, self._mac(self.in_dir, n, head, [payload])):
@@ -228,10 +250,15 @@ def client_handshake(sock: socket.socket, key: bytes, hello: dict) -> Wire:
     return Wire(sock, session_key(key, nonce, hub_nonce), hub=False)
 
 
-def server_handshake(sock: socket.socket, key: bytes) -> tuple[dict, Wire]:
-    """The hub's side: (the worker's hello, the session wire); WireError on a bad proof."""
-    sock.settimeout(HANDSHAKE_S)
-    line = _read_line(sock)
+def server_handshake(
+    sock: socket.socket, key: bytes, deadline: float | None = None, proven=None
+) -> tuple[dict, Wire]:
+    """The hub's side: (the worker's hello, the session wire); WireError on a bad proof, or when
+    the hello is not in by `deadline` (time.monotonic(), for the whole handshake). `proven()` is
+    called once the hello's proof holds; False (the connection was cut short) ends it there."""
+    if deadline is None:
+        deadline = time.monotonic() + HANDSHAKE_S
+    line = _read_line(sock, deadline)
     body, nonce = line.get("hello"), line.get("nonce")
     if not isinstance(body, str) or not isinstance(nonce, str) or len(nonce) > 64:
         raise WireError("a connection without a hello")
@@ -239,9 +266,15 @@ def server_handshake(sock: socket.socket, key: bytes) -> tuple[dict, Wire]:
         str(line.get("mac", "")).encode(), proof(key, "hello", body, nonce).encode()
     ):
         raise WireError("a hello that failed authentication")
-    hello = json.loads(body)
+    if proven is not None and not proven():
+        raise WireError("proved the group key too late")
+    try:
+        hello = json.loads(body)
+    except (ValueError, RecursionError):
+        hello = None
     if not isinstance(hello, dict):
         raise WireError("a hello that is not a JSON object")
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
     hub_nonce = secrets.token_hex(16)
     reply = {"nonce": hub_nonce, "mac": proof(key, "welcome", nonce, hub_nonce)}
     sock.sendall((json.dumps(reply) + "\n").encode())
@@ -249,10 +282,18 @@ def server_handshake(sock: socket.socket, key: bytes) -> tuple[dict, Wire]:
     return hello, Wire(sock, session_key(key, nonce, hub_nonce), hub=True)
 
 
-def _read_line(sock: socket.socket) -> dict:
+def _read_line(sock: socket.socket, deadline: float | None = None) -> dict:
     buf = b""
     while b"\n" not in buf:
-        data = sock.recv(4096)
+        if deadline is not None:  # the whole handshake, however the bytes trickle in
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError("the handshake did not complete in time")
+            sock.settimeout(left)
+        try:
+            data = sock.recv(4096)
+        except TimeoutError:
+            raise WireError("the handshake did not complete in time") from None
         if not data:
             raise WireError("connection closed during the handshake")
         buf += data

@@ -244,6 +244,10 @@ class GroupLink:
         `state` itself at the job's start, else a live group's, received shard to shard (with
         DiLoCo: the state before an outer step, which this group then takes with the others)."""
         fields, _ = tree_pieces(state, "none")  # the shards this process wants of a peer's state
+        # what the hub's frames may carry: the state, or gradients and metrics
+        self.wire.limit = group_wire.carried(
+            group_layout.nbytes(fields["shapes"], fields["dtypes"])
+        )
         ready = {"kind": "ready", "step": int(state["step"]), "sync_every": self.sync_every}
         self.wire.send({**ready, **fields})
         header, arrays = self._recv()
@@ -313,9 +317,14 @@ class GroupLink:
             raise WireError(f"the group hub stopped this group: {str(header.get('why'))[:200]}")
         return header, arrays
 
-    def _average(self, tree, step: int):
-        """`tree` (this process's shards) sent for `step`; the quorum's mean returned."""
+    def _average(self, tree, step: int, parts: tuple[str, ...] = ()):
+        """`tree` (this process's shards) sent for `step`; the quorum's mean returned. `parts`
+        names the parts of a tuple `tree` (the hub names what it refuses by them)."""
         fields, arrays = tree_pieces(tree, "owned")
+        if parts:
+            fields["parts"] = [
+                [n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)
+            ]
         self.wire.send({"kind": "average", "step": step, **fields}, arrays)
         if self.faults is not None:
             self.faults.inside_average(step)
@@ -347,7 +356,10 @@ class GroupLink:
         """One optimizer step: this group's gradients, the quorum's average, the update."""
         self._computing(step, state)
         loss, aux, grads, extra = self._first(state, batch)
-        (loss, aux, grads), _ = self._average((loss, aux, grads), step)
+        if self.faults is not None:
+            grads = self.faults.before_average(step, grads)
+        (loss, aux, grads), _ = self._average((loss, aux, grads), step,
+                                              ("loss", "metrics", "gradients"))  # fmt: skip
         self._computing(None)
         return self._second(state, loss, aux, grads, extra)
 
@@ -355,7 +367,10 @@ class GroupLink:
         """DiLoCo's outer step after inner step `step`: the replicas' mean averaged across the
         quorum's groups, then the outer update (the same on every group)."""
         self._computing(step, state)
-        mean, _ = self._average(self._first(state), step)
+        mean = self._first(state)
+        if self.faults is not None:
+            mean = self.faults.before_average(step, mean)
+        mean, _ = self._average(mean, step)
         self._computing(None)
         return self._second(state, mean)
 

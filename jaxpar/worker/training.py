@@ -422,7 +422,8 @@ def run(
 
     Nothing is written to `run_dir` until every check has passed (`preflight`, the mesh and
     program) and the run directory's lock is held. Raises Preempted (after a coordinated save),
-    NonFiniteLoss, ReplicaMismatch, NothingToDo, or ValueError for a refused run.
+    NonFiniteLoss, NonFiniteState (a state of NaNs that was to be saved), ReplicaMismatch,
+    NothingToDo, or ValueError for a refused run.
     `init_from` (`hf:DIR`): the first state's parameters come from a Hugging Face checkpoint
     folder, unless the run directory holds a state to resume (init_source).
     """

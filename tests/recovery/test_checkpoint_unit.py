@@ -27,6 +27,7 @@ from jaxpar.recovery.checkpoint import (
     TMP_SUFFIX,
     Checkpointer,
     CheckpointMismatch,
+    NonFiniteState,
     array_hash,
     checksums,
     replica_mismatches,
@@ -48,9 +49,11 @@ pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableException
 
 def host_state(seed: int = 0) -> dict:
     """A small training-state-like tree; `w` and `mu` are random bits, which zstd cannot
-    compress, so orbax stores them as raw blocks (a flipped byte there decodes silently)."""
+    compress, so orbax stores them as raw blocks (a flipped byte there decodes silently); the
+    top exponent bit is clear, so every value is finite (a state of NaNs is never saved)."""
     k = jax.random.split(jax.random.key(seed), 4)
-    noise = lambda key: np.array(jax.random.bits(key, (64, 32), np.uint32)).view(np.float32)  # noqa: E731
+    bits = lambda key: np.array(jax.random.bits(key, (64, 32), np.uint32)) & np.uint32(0xBFFFFFFF)  # noqa: E731
+    noise = lambda key: bits(key).view(np.float32)  # noqa: E731
     return {
         "step": np.int32(seed),
         "params": {
@@ -284,8 +287,14 @@ def test_commit_hook_sync_mode_and_replaced_step(tmp_path, meshes8):
     ckpt.save(1, place(host_state(1), mesh))
     assert hooked == [1] and os.path.isdir(tmp_path / "run" / "checkpoints" / "1")  # committed
     ckpt.save(2, place(host_state(2), mesh))
+    poisoned = host_state(3)
+    poisoned["opt"]["mu"][5, 7] = np.nan  # the optimizer state too: nothing is saved from it
+    with pytest.raises(NonFiniteState, match=r"state of step 3 holds non-finite values \(1 in 1"):
+        ckpt.save(3, place(poisoned, mesh))
     ckpt.close()
-    assert hooked == [1, 2]
+    assert hooked == [1, 2] and not os.path.exists(tmp_path / "run" / "checkpoints" / "3")
+    (refused,) = events(tmp_path, "nonfinite")
+    assert refused["step"] == 3 and list(refused["arrays"]) == ["['opt']['mu']"], refused
     again = checkpointer(tmp_path)
     again.restore(abstract(host_state(1), mesh), which="1")
     again.save(2, place(host_state(3), mesh))  # a step left by an older timeline is replaced

@@ -179,3 +179,24 @@ def test_losthost_spec_needs_a_node():
     for bad in ("losthost@7", "kill@3:node=1"):
         with pytest.raises(ValueError, match="node=N"):
             FaultSpec.parse(bad)
+
+
+def test_a_state_holding_a_nan_is_never_snapshotted(tmp_path):
+    """A state with a NaN (its step's loss was finite, its gradients were not) is not written:
+    a `nonfinite` event, and the restore takes the snapshot before it."""
+    run = RunDir(str(tmp_path / "run"))
+    abstract = _abstract(_mesh())
+    tier = _tier(run, abstract, tmp_path / "local")
+    assert tier.restore(None) is None
+    good = _state(abstract, 1)
+    tier.offer(1, good)
+    bad = _state(abstract, 2)
+    bad["params"]["h"] = bad["params"]["h"].at[3, 1].set(jnp.nan)
+    tier.offer(2, bad)
+    tier.close()
+    assert [(e["step"], e["where"]) for e in _events(run, "nonfinite")] == [(2, "snapshot")]
+    again = _tier(run, abstract, tmp_path / "local")
+    state, info = again.restore(None)
+    again.close()
+    assert info["step"] == 1
+    _same(state, good)

@@ -16,7 +16,7 @@ from jaxpar.worker.faults import FaultSpec, NonFiniteLoss
 
 # arguments of an implementation at each injection point: (faults, at) or (faults, at, state)
 ARITY = {"before_step": 2, "on_state": 3, "before_commit": 2, "before_snapshot": 2,
-         "before_give": 2, "inside_average": 2}  # fmt: skip
+         "before_give": 2, "before_average": 3, "inside_average": 2}  # fmt: skip
 
 
 def test_every_kind_has_one_implementation_and_every_implementation_a_kind():
@@ -54,7 +54,7 @@ def test_the_timeline_ends_incidents_on_the_tables_ending_faults():
     assert runlog.ENDING_FAULTS == fault_kinds.ENDING
     assert set(fault_kinds.ENDING) == {
         "kill", "hang", "sigterm", "nan", "killsave", "killsnap", "losthost", "killgive",
-        "killavg",
+        "nangrad", "killavg",
     }  # fmt: skip
     for kind in fault_kinds.TABLE:
         inc = runlog.Incarnation(index=0, start=0.0)

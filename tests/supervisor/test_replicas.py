@@ -18,11 +18,12 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import psutil
 import pytest
 
 from tests.support.helpers import cpu_env
-from tests.support.launch_util import REPO, Launch, losses, train_cmd
+from tests.support.launch_util import REPO, Launch, losses, nonfinite_checkpoints, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -117,12 +118,18 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     assert summary["group_steps_lost"] == 0 and summary["group_restarts"] == 0
 
 
-def test_a_group_hung_before_its_first_step_is_restarted_after_the_startup_timeout(tmp_path):
+def test_a_group_hung_at_its_start_or_with_nan_gradients_is_restarted_alone(tmp_path):
     """Group 1's process stopped (SIGSTOP) while it starts: no step's average waits for it yet,
-    so only the start-up timeout finds it; group 1 is restarted and the job finishes."""
+    so only the start-up timeout finds it, and group 1 is restarted; it rejoins from group 0.
+    Then the gradients of its first step turn NaN while its loss stays finite (nangrad): the hub
+    drops group 1 from that step before its gradients enter the average and names it and the
+    cause; group 0 trains on, group 1 rejoins from group 0's state again, the job finishes, and
+    no metrics line or checkpoint holds a non-finite value."""
+    steps = 16  # group 0 paced at 2 s a step from step 5: group 1 rejoins twice before the end
     nproc = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1",
              "--no-spares", "--startup-timeout", "20"]  # fmt: skip
-    run = Launch(tmp_path / "run", nproc, train_cmd(8, 4))
+    faults = ["--fault", "nangrad@2:process=1", "--fault", "slow@5:process=0:seconds=2"]
+    run = Launch(tmp_path / "run", [*nproc, *faults], train_cmd(steps, 2))
     try:
         deadline, pid = time.time() + WAIT, None
         while pid is None and time.time() < deadline:
@@ -135,11 +142,23 @@ def test_a_group_hung_before_its_first_step_is_restarted_after_the_startup_timeo
         assert run.wait(WAIT) == 0, run.output()
     finally:
         run.close()
-    (failure,) = [e for e in run.events("group_failure")
-                  if e["group"] == 1 and e["source"] == "supervisor"]  # fmt: skip
-    assert "not ready within the start-up timeout 20s" in failure["why"], failure
-    assert [e["group"] for e in run.events("group_started")] == [0, 1, 1]
-    assert sorted(losses(run.run_dir)) == list(range(1, 9))
+    hung, nan = [e for e in run.events("group_failure") if e["source"] == "supervisor"]
+    assert hung["group"] == 1 and "not ready within the start-up timeout 20s" in hung["why"], hung
+    assert nan["group"] == 1 and nan["why"].startswith("non-finite gradients in step "), nan
+    dropped = [e for e in run.events("group_failure") if e["source"] == "hub"]
+    assert [e["why"] for e in dropped][-1] == nan["why"], dropped
+    assert f"group 1 failed ({nan['why']})" in run.output()
+    assert [e["group"] for e in run.events("group_started")] == [0, 1, 1, 1]
+    joined = [e for e in run.events("group_joined") if e["transfer"]]
+    assert [(e["group"], e["donor"]) for e in joined] == [(1, 0), (1, 0)], joined
+    lines = _lines(run.run_dir)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert all(np.isfinite([m["loss"], m["grad_norm"]]).all() for m in lines), lines
+    quorum = {m["step"]: m["quorum"] for m in lines}
+    at = int(nan["why"].split()[4])  # "non-finite gradients in step S (..."
+    assert joined[0]["step"] < at and quorum[at] == [0] and quorum[steps] == [0, 1], quorum
+    saved = nonfinite_checkpoints(run.run_dir)
+    assert saved and set(saved.values()) == {0}, saved
 
 
 def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):

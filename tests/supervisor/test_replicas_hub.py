@@ -4,12 +4,16 @@ one-line refusals of `jaxpar launch --groups`."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -108,7 +112,17 @@ def test_wire_round_trip_and_tampering_refused():
     a.sendall(struct.pack("!I", len(head)) + head)
     with pytest.raises(WireError, match="larger than"):
         Wire(b, KEY, hub=True).recv()
+    # a frame's buffer grows as its bytes come: 1 GiB announced, 1 KiB sent, little allocated
+    head = b'{"arrays": [["uint8", [1073741824]]]}'
+    a.sendall(struct.pack("!I", len(head)) + head + b"\0" * 1024)
     a.close()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConnectionError):
+            Wire(b, KEY, hub=True).recv()
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
     b.close()
 
 
@@ -515,5 +529,175 @@ def test_hub_averages_and_hands_over_between_groups_of_different_layouts():
         _until(lambda: hub.fatal is not None)
         assert "leaf 0 is float32[2, 3] against float32[2, 2]" in hub.fatal
         assert "same model and optimizer" in hub.fatal
+    finally:
+        hub.close()
+
+
+# ---- strangers at the hub's port: a flood, slow handshakes, a frame too large ----------------------
+
+FLOODED_HUB = """
+import json, os, resource, sys, threading, time
+from jaxpar.supervisor.replicas import Hub
+
+hub = Hub("127.0.0.1", bytes.fromhex(sys.argv[1]), 2, 1, 1, lambda name, **f: None,
+          lambda g: None)
+for g in range(2):
+    hub.running(g)
+peak = [0]
+
+def watch():
+    while True:
+        peak[0] = max(peak[0], threading.active_count())
+        time.sleep(0.01)
+
+threading.Thread(target=watch, daemon=True).start()
+# two descriptors to spare: the flood runs past the limit at once
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+print(hub.address, flush=True)
+sys.stdin.readline()
+print(json.dumps({"threads": peak[0], "joined": sorted(hub.joined)}), flush=True)
+"""
+
+
+def test_hub_outlives_a_flood_past_its_descriptor_limit_and_lets_a_member_in():
+    """The hub's process may hold two more descriptors; 150 idle connections from the member's
+    own address flood its port. The accept loop meets EMFILE, says so once, backs off and goes
+    on, holding few connections and threads; a real member still joins."""
+    from tests.support.launch_util import REPO
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", FLOODED_HUB, KEY.hex()], cwd=REPO, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    flood: list[socket.socket] = []
+    try:
+        host, port = child.stdout.readline().strip().rsplit(":", 1)
+        for _ in range(150):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, int(port)))
+            flood.append(s)
+        time.sleep(1.0)
+        deadline, wire = time.time() + 60, None
+        while wire is None:  # a restarted worker tries again; the accept loop must be there
+            assert time.time() < deadline and child.poll() is None, "no member got in"
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                sock.settimeout(5)
+                wire = group_wire.client_handshake(sock, KEY, {"group": 0, "rank": 0})
+            except (OSError, WireError):
+                time.sleep(0.5)
+        sock.settimeout(10)
+        wire.send(_ready(0))
+        assert wire.recv()[0]["kind"] == "start"
+        child.stdin.write("report\n")
+        child.stdin.flush()
+        report = json.loads(child.stdout.readline())
+    finally:
+        for s in flood:
+            s.close()
+        child.kill()
+        _, err = child.communicate(timeout=30)
+    assert report["joined"] == [0], report
+    assert report["threads"] <= 16, report  # bounded: not one per connection
+    assert err.count("cannot accept a connection ([Errno 24]") == 1, err
+
+
+def test_hub_cuts_slow_handshakes_at_their_deadline_and_a_member_gets_in_beside_them(monkeypatch):
+    """Connections that send a byte every 0.2 s are cut at the hub's handshake deadline (1 s
+    for the whole handshake, not per read), and 40 of them from a member's own address do not
+    keep the member out."""
+    from tests.support.net import slow_loris
+
+    monkeypatch.setattr(group_wire, "HANDSHAKE_S", 1.0)
+    hub, events = _hub(2, min_groups=1)
+    port = int(hub.address.rsplit(":", 1)[1])
+    stop, opened = threading.Event(), []
+    try:
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            while time.monotonic() - t0 < 10:
+                slow.sendall(b" ")
+                slow.settimeout(0.2)
+                with contextlib.suppress(TimeoutError):
+                    if slow.recv(1) == b"":
+                        break
+        took = time.monotonic() - t0
+        slow.close()
+        assert took < 5, f"a trickling handshake held its slot for {took:.1f}s"
+        loris = threading.Thread(target=slow_loris, args=(port, stop, 40, 1, opened, 1),
+                                 daemon=True)  # fmt: skip
+        loris.start()
+        _until(lambda: len(opened) >= 40, timeout=30)
+        w0 = _connect(hub, 0)
+        w0.send(_ready(0))
+        assert w0.recv()[0]["kind"] == "start"
+    finally:
+        stop.set()
+        hub.close()
+    reasons = [e["reason"] for e in events if e["event"] == "control_rejected"]
+    assert all(e.get("server") == "hub" for e in events if e["event"] == "control_rejected")
+    assert any("handshake did not complete in time" in r for r in reasons), reasons
+
+
+def test_a_frame_larger_than_the_state_drops_that_connection_only():
+    """After the handshake a frame announcing 60 GiB (within the wire's absolute bound) is
+    refused before anything is allocated: it is more than the job's state can make a frame
+    carry. Its group is dropped; the other trains on."""
+    hub, events = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _start_two(hub)
+        head = json.dumps({"kind": "average", "step": 0,
+                           "arrays": [["float32", [15 << 30]]]}).encode()  # fmt: skip
+        w1.sock.sendall(struct.pack("!I", len(head)) + head + b"\0" * 64)
+        _until(lambda: any(e["event"] == "group_failure" for e in events))
+        (failure,) = [e for e in events if e["event"] == "group_failure"]
+        assert failure["group"] == 1 and "more than this connection carries" in failure["why"]
+        _average(w0, 0, np.array([1.0], np.float32))
+        header, (mean,) = w0.recv()
+        assert header["quorum"] == [0] and mean.tolist() == [1.0]
+    finally:
+        hub.close()
+
+
+def test_a_groups_non_finite_or_outlying_gradients_are_dropped_before_the_average():
+    """Three groups: group 1's gradients hold a NaN (its loss finite), then group 2's norm is far
+    above the others'. Each is dropped from the step before it enters the average, named with
+    its cause; the step is released over the rest; the supervisor is told why."""
+    hub, events = _hub(3, min_groups=1)
+
+    def send(w, step, loss, grads):
+        tree = [np.float32(loss), np.asarray(grads, np.float32)]
+        fields = group_layout.whole(tree)
+        w.send({"kind": "average", "step": step, "parts": [["loss", 1], ["gradients", 1]],
+                **fields}, tree)  # fmt: skip
+
+    try:
+        wires = [_connect(hub, g) for g in range(3)]
+        for w in wires:
+            w.send(_ready(0))
+        assert all(w.recv()[0]["kind"] == "start" for w in wires)
+        for g, grads in enumerate(([1.0, 1.0], [np.nan, 1.0], [3.0, 3.0])):
+            send(wires[g], 0, 2.0, grads)
+        for g in (0, 2):
+            header, (loss, mean) = wires[g].recv()
+            assert header["quorum"] == [0, 2] and mean.tolist() == [2.0, 2.0]
+        assert wires[1].recv()[0]["kind"] == "stop"
+        causes = hub.take_causes()
+        assert list(causes) == [1] and causes[1].startswith("non-finite gradients in step 1")
+        hub.running(1)  # back, with the donor's state ...
+        hub.min_groups, hub.joined[1] = 1, 1  # ... in step 2's quorum (as after a transfer)
+        wires[1] = _connect(hub, 1)
+        for g, grads in enumerate(([1.0, 1.0], [2.0, 2.0], [1e6, 1e6])):
+            send(wires[g], 1, 2.0, grads)
+        for g in (0, 1):
+            header, (loss, mean) = wires[g].recv()
+            assert header["quorum"] == [0, 1] and mean.tolist() == [1.5, 1.5]
+        failures = {e["group"]: e["why"] for e in events if e["event"] == "group_failure"}
+        assert failures[1].startswith("non-finite gradients in step 1"), failures
+        assert "gradient norm 1.41e+06 in step 2, more than 100 times" in failures[2], failures
     finally:
         hub.close()

@@ -159,6 +159,25 @@ class Launch:
         return int(hb["pid"])
 
 
+def nonfinite_checkpoints(run_dir: Path) -> dict[int, int]:
+    """Committed checkpoint step -> how many arrays of its saved state (parameters, optimizer
+    state, ...) hold a NaN or an infinity (read as numpy arrays: no devices, no target)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    out = {}
+    for step in sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir()
+                       if p.name.isdigit()):  # fmt: skip
+        path = Path(run_dir) / "checkpoints" / str(step) / "state"
+        reader = ocp.PyTreeCheckpointer()
+        tree = reader.metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        leaves = jax.tree.leaves(reader.restore(path, restore_args=args))
+        out[step] = sum(1 for x in leaves if x.dtype.kind not in "biu" and not np.isfinite(x).all())
+    return out
+
+
 def kill_workers(run_dir: Path) -> list[int]:
     """SIGKILL every process whose environment has JAXPAR_RUN_DIR=run_dir; returns their PIDs."""
     target = os.path.abspath(run_dir)

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,6 +136,30 @@ def test_an_existing_export_is_overwritten_only_with_force(capsys, bn_run, tmp_p
     # the same tensors (safetensors orders its metadata differently from one write to the next)
     old, new = load_tensors(before[out]), load_tensors(out.read_bytes())
     assert old.keys() == new.keys() and all(np.array_equal(old[k], new[k]) for k in old)
+
+
+def test_a_checkpoint_holding_a_nan_is_exported_only_with_force(capsys, bn_run, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    """A checkpoint whose variables hold a NaN (written before jaxpar refused such saves, or by
+    other tools) is refused in one line naming the tensor; --force exports it as it is."""
+    from jaxpar.tools import finished_run
+
+    load = finished_run.load_variables
+
+    def poisoned(run_dir, device=None):
+        cfg, variables, step = load(run_dir, device)
+        variables = jax.tree.map(np.array, jax.device_get(variables))  # writable copies
+        first = jax.tree.leaves(variables["params"])[0]
+        first.reshape(-1)[0] = np.nan
+        return cfg, variables, step
+
+    monkeypatch.setattr(finished_run, "load_variables", poisoned)
+    out = tmp_path / "m.safetensors"
+    line = refused(capsys, bn_run[1], "--out", out)
+    assert "checkpoint of step 3 holds non-finite values (1 in 1 of" in line, line
+    assert "pass --force to export it anyway" in line and not out.exists()
+    assert export_cli(capsys, bn_run[1], "--out", out, "--force")[0] == 0
+    assert sum(np.isnan(v).sum() for v in load_tensors(out.read_bytes()).values()) == 1
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_anything(capsys, bn_run, tmp_path):

@@ -13,7 +13,10 @@ from tests.support.hardening_util import snapshot
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--recipe", "gpt_moe", "--set", "model.top_k=3"], "model.top_k=3: use 1 or 2"),
+        (
+            ["--recipe", "gpt_moe", "--set", "model.top_k=9"],
+            "model.top_k=9 is more than model.n_experts=8",
+        ),
         (
             ["--recipe", "gpt_moe", "--set", "model.n_experts=1"],
             "model.top_k=2 is more than model.n_experts=1",

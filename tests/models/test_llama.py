@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxpar.config import apply_overrides, resolve_recipe
 from jaxpar.engine.model import build
@@ -51,25 +52,24 @@ def test_built_model_has_its_counted_parameters_and_cached_decoding_matches(name
     """num_params counts the built model; the KV-cached path (a prompt, then one token at a
     time) gives the full forward pass's logits (rotary positions, grouped kv heads)."""
     cfg = resolve_recipe(name).model
+    assert sum(x.size for x in jax.tree.leaves(_params(build(cfg, 0)))) == cfg.num_params()
+    cfg = apply_overrides(resolve_recipe(name), [*SMALL, *_moe(name)]).model
     if hasattr(cfg, "n_experts"):  # the full forward drops no token either
         cfg = dataclasses.replace(cfg, capacity_factor=cfg.n_experts / cfg.top_k)
     model = build(cfg, 0)
-    counted = sum(x.size for x in jax.tree.leaves(jax.tree.map(lambda v: v, _params(model))))
-    assert counted == cfg.num_params()
-    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, cfg.vocab_size)
     full = np.asarray(model(tokens))
-    logits, cache = model.decode(tokens[:, :30], model.init_cache(2), 0)
+    prefill, step = nnx.jit(type(model).decode), nnx.jit(type(model).decode)
+    logits, cache = prefill(model, tokens[:, :20], model.init_cache(2), 0)
     got = [np.asarray(logits)]
-    for t in range(30, 40):
-        step, cache = model.decode(tokens[:, t : t + 1], cache, t)
-        got.append(np.asarray(step))
+    for t in range(20, 24):
+        logits, cache = step(model, tokens[:, t : t + 1], cache, jnp.int32(t))
+        got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5, rtol=0)
     assert cache["k"].shape == (cfg.n_layers, 2, cfg.seq_len, cfg.n_kv_heads, cfg.hd)
 
 
 def _params(model):
-    from flax import nnx
-
     return nnx.state(model, nnx.Param)
 
 
@@ -85,9 +85,12 @@ def test_bad_configs_are_refused_with_the_fix():
         apply_overrides(resolve_recipe("mixtral_tiny"), ["model.top_k=9"])
 
 
+def _moe(name: str) -> tuple[str, ...]:
+    return MOE if "moe" in name or "mixtral" in name else ()
+
+
 def _config(jp, name: str, *extra: str):
-    moe = MOE if "moe" in name or "mixtral" in name else ()
-    return apply_overrides(jp.recipe(name, steps=STEPS), [*SMALL, *moe, *extra])
+    return apply_overrides(jp.recipe(name, steps=STEPS), [*SMALL, *_moe(name), *extra])
 
 
 @pytest.fixture(scope="module")

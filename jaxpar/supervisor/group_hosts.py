@@ -202,7 +202,7 @@ class FollowerGroups:
     def start(self, spec: dict) -> dict:
         """Start group spec["group"] (this agent's command line; its coordinator on this
         host's loopback); the reply for the leader."""
-        from jaxpar.supervisor.replicas import ReplicaGroup
+        from jaxpar.supervisor.replica_group import ReplicaGroup  # numpy: only with groups here
 
         g = check_group_spec(spec, self.opts.nnodes, self.opts.node_rank)
         offset = self.opts.node_rank * self.opts.nproc

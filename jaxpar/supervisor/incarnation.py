@@ -39,6 +39,21 @@ def console_tail(text: str, n: int = TAIL_LINES) -> list[str]:
     return [x for x in lines if not CONSOLE_NOISE.match(x)][-n:]
 
 
+def say_log_tail(log: str | None) -> None:
+    """Echo the last lines of a failed worker's log on the console (its error line among them),
+    under the log's path; nothing when the log is absent or unreadable."""
+    if not log or not os.path.exists(log):
+        return
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
+            last = console_tail(f.read().decode(errors="replace"))
+    except OSError:
+        return
+    if last:
+        say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
+
+
 def status_line(incarnation: int, step: int | None, step_time: float | None, said: int | None):
     """The periodic console line on progress, or None: nothing to say until the first heartbeat,
     and a step already reported is not reported again (a long compile showed step 0 twice)."""
@@ -126,16 +141,8 @@ class Incarnation:
         why = f" — injected fault {injected[-1]}" if injected else ""
         say(f"failure{where}: {out.cause} of process {out.process} (code {out.code}) "
             f"{out.detail}".rstrip() + why)  # fmt: skip
-        log = self._log_of(out.process)
-        if log and os.path.exists(log) and out.cause not in ("hang",):
-            try:
-                with open(log, "rb") as f:
-                    f.seek(max(0, os.path.getsize(log) - 16384))  # the tail of a large log
-                    last = console_tail(f.read().decode(errors="replace"))
-            except OSError:
-                return
-            if last:
-                say(f"last lines of {log}:\n" + "".join("    " + x for x in last).rstrip())
+        if out.cause != "hang":
+            say_log_tail(self._log_of(out.process))
 
     def _log_of(self, pid: int | None) -> str | None:
         if pid is None or pid >= len(self.job.slots):

@@ -44,6 +44,29 @@ def classify_exit(code: int) -> str:
     return "exit"
 
 
+EXIT_MEANINGS = {
+    bootstrap.EXIT_USAGE: "a usage or configuration error",
+    bootstrap.EXIT_PREEMPTED: "it saved on a preemption notice",
+    bootstrap.EXIT_COLLECTIVE: "a collective or coordination error: a peer was lost",
+    bootstrap.EXIT_NAN: "a non-finite loss, or a state of NaNs that was not saved",
+    bootstrap.EXIT_REPLICA: "data-parallel replicas disagree",
+    bootstrap.EXIT_NO_SPACE: "the run directory's disk is full",
+}
+
+
+def exit_text(code: int) -> str:
+    """A worker's return code in words, for a console line: "was killed by SIGKILL (code -9)",
+    "exited with code 44 (a non-finite loss, ...)"."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (code {code})"
+    meaning = EXIT_MEANINGS.get(code)
+    return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
+
+
 def secondary(code: int) -> int:
     """0 for a likely root cause; higher for the consequences of a peer's failure."""
     if code in (bootstrap.EXIT_COLLECTIVE, -signal.SIGABRT):

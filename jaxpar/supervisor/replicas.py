@@ -36,12 +36,13 @@ from jaxpar.rundir import runlog
 from jaxpar.rundir.runlog import SupervisorEvent, write_json
 from jaxpar.supervisor.admission import MAX_PENDING, MAX_PER_SOURCE, Gate, Pending, Refusals
 from jaxpar.supervisor.channel import printable, token
-from jaxpar.supervisor.group import LocalGroup
 from jaxpar.supervisor.group_hosts import RemoteGroup, RemoteHost, group_key
+from jaxpar.supervisor.incarnation import say_log_tail
 from jaxpar.supervisor.job import JobState
 from jaxpar.supervisor.monitor import EventTail
 from jaxpar.supervisor.options import Options, cannot_write, free_port, join_address, say
-from jaxpar.supervisor.policy import classify_exit, worker_env
+from jaxpar.supervisor.policy import exit_text, root_exit
+from jaxpar.supervisor.replica_group import ReplicaGroup
 from jaxpar.supervisor.transport import Rendezvous
 from jaxpar.worker import bootstrap, group_layout, group_wire
 from jaxpar.worker.group_layout import Layout
@@ -55,6 +56,9 @@ QUORUM = SupervisorEvent.QUORUM_CHANGED
 # a group whose gradient norm is more than this many times the median of the other groups'
 # (3 groups or more) is dropped from the step, as one with non-finite values is
 NORM_FACTOR = 100.0
+# a group whose hub connection closed is given this long for its processes' exits to be seen
+# (a process that dies closes its connection first): an exit names the cause, not the connection
+LOST_GRACE_S = 2.0
 
 
 def default_min_groups(groups: int) -> int:
@@ -591,67 +595,6 @@ class Hub:
 # ---- the supervisor -------------------------------------------------------------------------------
 
 
-class ReplicaGroup(LocalGroup):
-    """One replica group's workers: process k of the group is jax process k of its own world."""
-
-    def __init__(self, opts: Options, waker, group: int, hub: str, key: bytes,
-                 groups: int | None = None, host_offset: int = 0):  # fmt: skip
-        super().__init__(opts, waker)
-        self.group, self.hub, self.key = group, hub, key
-        self.n_groups = groups or opts.groups
-        self.host_offset = host_offset  # the global id of this host's first process
-        self.t_spawn = 0.0  # when its current processes were started (the supervisor's clock)
-        self._told = None  # the standby group last reported ready
-
-    def finished(self) -> bool:
-        """Every process of its current start exited with 0."""
-        return bool(self.procs) and not self.alive() and all(
-            p.returncode == 0 for p in self.procs.values()
-        )  # fmt: skip
-
-    def _standby_here(self) -> bool:
-        return True  # a replica group's world is on its own host: a standby on any host
-
-    def world_bind(self) -> str:
-        """Where this group's coordinator listens, its standby's too: the group's world is on
-        this host, so on loopback (on one host the job's bind is loopback too)."""
-        return self.opts.bind if self.opts.nnodes == 1 else "127.0.0.1"
-
-    def _standby_bind(self) -> str:
-        return self.world_bind()
-
-    def mark_stepping(self) -> None:
-        """The group stepped in a quorum: its spares and standby group may be built now."""
-        self.seen |= {runlog.WorkerEvent.START, runlog.WorkerEvent.COMPILED}
-        self.stepping = True
-
-    def standby_news(self) -> bool:
-        """True once for each standby group of this group, when it is ready."""
-        if self.standby is None or self.standby is self._told or not self.standby_ready():
-            return False
-        self._told = self.standby
-        return True
-
-    def _env(self, spec: dict, pid: int, local_rank: int) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if k != "JAXPAR_LAUNCH_TOKEN"}
-        env = worker_env(
-            base, coordinator=spec["coordinator"], bind=spec["bind"], nproc=spec["nproc"],
-            process_id=local_rank, local_rank=pid - self.host_offset,
-            devices_per_proc=self.opts.devices_per_proc,
-            run_dir=self.opts.run_dir, incarnation=spec["incarnation"],
-            faults=spec.get("faults", self.opts.faults),
-            heartbeat_timeout=spec["collective_timeout"],
-            collective_timeout=spec["collective_timeout"], run_lock=spec.get("run_lock"),
-        )  # fmt: skip
-        env.update({
-            group_wire.ENV_GROUP: str(self.group), group_wire.ENV_GROUPS: str(self.n_groups),
-            group_wire.ENV_GLOBAL_PROCESS: str(pid), group_wire.ENV_HUB: self.hub,
-            group_wire.ENV_KEY: self.key.hex(),
-            group_wire.ENV_TIDY: "1" if spec.get("tidy") else "0",
-        })  # fmt: skip
-        return env
-
-
 class ReplicaSupervisor(JobState):
     """Runs R replica groups: a failed group is restarted alone while the others train."""
 
@@ -668,6 +611,10 @@ class ReplicaSupervisor(JobState):
         self.tail: EventTail | None = None  # the workers' events: checkpoint saves
         self.saving: tuple[int, float] | None = None  # an open save: (incarnation, since)
         self._said: str | None = None  # the hub's fatal line, once said
+        self.lost_since: dict[int, float] = {}  # group -> when the hub lost its connection
+        # (incarnation, job-wide process) -> the ending fault injected there (its event)
+        self.injected: dict[tuple[int, int], str] = {}
+        self.exit_logs: dict[int, str] = {}  # group -> the log of the exit it failed with
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_request = signum
@@ -799,24 +746,22 @@ class ReplicaSupervisor(JobState):
             out = self._hosts_lost() or self._refused()
             if out is not None:
                 return out
+            exits: dict[int, list[tuple[int, int]]] = {}
             for g, grp in enumerate(self.groups):
                 if g in self.gone:
                     continue
                 for pid, rc in grp.poll():
-                    if rc == 0:
-                        continue
                     if rc == bootstrap.EXIT_USAGE:  # the same error in every restart
-                        return self._give_up(
-                            f"process {pid} of group {g} exited with code 2 (a usage or "
-                            f"configuration error, restarting will not help)",
-                            f"Checkpoints in {self.run_dir}/checkpoints are intact.",
-                        )  # fmt: skip
-                    failed.setdefault(g, f"process {pid} exited: {classify_exit(rc)} (code {rc})")
-                if g not in failed and g not in self.done and grp.finished():
+                        return self._usage_error(g, pid)
+                    if rc != 0:
+                        exits.setdefault(g, []).append((pid, rc))
+                if g not in exits and g not in self.done and grp.finished():
                     self.done.add(g)
             hang, startup, _ = self.timeouts()
             now = time.time()
             hung = self.hub.drop_hung(hang, saving=self._saving(now, startup), startup_s=startup)
+            for g, codes in exits.items():  # after _saving: the injected faults are read
+                failed[g] = self._exit_why(g, *root_exit(codes))
             for g, why in hung.items():
                 failed.setdefault(g, why)
             for g, why in self._hung_in_startup(now, startup):
@@ -828,9 +773,17 @@ class ReplicaSupervisor(JobState):
                         if g not in self.hub.alive and g not in self.done | self.gone]  # fmt: skip
             # groups the hub dropped for their contribution: that is why they restart (their
             # processes, told to stop, exit after the hub said why)
-            failed.update(self.hub.take_causes())
+            causes = self.hub.take_causes()
+            failed.update(causes)
+            for g in causes:
+                self.exit_logs.pop(g, None)
             for g in lost:
-                failed.setdefault(g, "its connection to the group hub was lost")
+                if g in failed:
+                    continue
+                # a process that dies closes its connection first: its exit, seen within the
+                # grace, names the cause; a connection lost with every process alive is one
+                if now - self.lost_since.setdefault(g, now) >= LOST_GRACE_S:
+                    failed[g] = "its connection to the group hub was lost"
             with self.hub.cv:
                 training = (set(self.hub.joined) & self.hub.alive) - set(failed)
             if failed and not training:
@@ -843,7 +796,7 @@ class ReplicaSupervisor(JobState):
             for g, why in sorted(failed.items()):
                 if g in self.gone:
                     continue
-                out = self._fail(g, why, others=bool(training))
+                out = self._fail(g, why, training=training)
                 if out is not None:
                     return out
             if self.done and len(self.done | self.gone) == len(self.groups):
@@ -869,16 +822,20 @@ class ReplicaSupervisor(JobState):
                 self.event(SupervisorEvent.GAVE_UP, reason=reason)
                 say(f"error: {reason}")
                 return "failed", 2
+        newly = []
         for g, grp in enumerate(self.groups):
             if g in self.gone or not isinstance(grp, RemoteGroup) or not grp.node_lost():
                 continue
+            newly.append(g)
             self.gone.add(g)
             why = f"the agent of node {grp.host.rank} (its host) was lost"
             self.hub.drop(g, why)
             self.event(GROUP_FAILURE, group=g, why=why, source="supervisor", permanent=True)
-            say(f"group {g} lost with node {grp.host.rank}: it is not restarted; the other "
-                f"groups keep training")  # fmt: skip
         left = len(self.groups) - len(self.gone)
+        for g in sorted(newly):
+            grp = self.groups[g]
+            say(f"group {g} lost with node {grp.host.rank}: it is not restarted"
+                + ("; the other groups keep training" if left >= self.opts.min_groups else ""))  # fmt: skip
         if self.gone and left < self.opts.min_groups:
             return self._give_up(
                 f"{left} replica group(s) left after a host was lost, fewer than --min-groups "
@@ -913,6 +870,11 @@ class ReplicaSupervisor(JobState):
                 self.saving = (e.get("incarnation"), now)
             elif e.get("event") == runlog.WorkerEvent.SAVE_END:
                 self.saving = None
+            elif (
+                e.get("event") == runlog.WorkerEvent.FAULT_INJECTED
+                and e.get("kind") in runlog.ENDING_FAULTS
+            ):  # an exit it causes names it
+                self.injected[(e.get("incarnation"), e.get("process"))] = str(e.get("spec"))
         live = {grp.spec["incarnation"] for grp in self.groups if grp.spec and grp.alive()}
         if self.saving is not None and self.saving[0] not in live:  # its group is gone
             self.saving = None
@@ -943,16 +905,18 @@ class ReplicaSupervisor(JobState):
             self.waker.wait(self.opts.poll_s)
         return "preempted", bootstrap.EXIT_PREEMPTED
 
-    def _fail(self, g: int, why: str, others: bool = True) -> tuple[str, int] | None:
+    def _fail(self, g: int, why: str, training: set[int] = frozenset()) -> tuple[str, int] | None:
         """Group `g` failed: out of the quorum at once, its other processes stopped, restarted.
-        `others`: some other group is still training (else every group restarts)."""
+        `training`: the other groups still training (none: every group restarts)."""
         assert self.hub is not None
         self.hub.drop(g, why)
         with self.hub.cv:
             self.hub.causes.pop(g, None)  # this restart is the one for it
+        self.lost_since.pop(g, None)
         self.groups[g].stop(0.0)
         self.event(GROUP_FAILURE, group=g, why=why, source="supervisor")
-        say(f"group {g} failed ({why})" + ("; the other groups keep training" if others else ""))
+        say(f"group {g} failed ({why}){self._meanwhile(training)}")
+        say_log_tail(self.exit_logs.pop(g, None))
         if self.group_restarts >= self.opts.max_restarts:
             reason = f"restart budget spent ({self.group_restarts} of --max-restarts " \
                      f"{self.opts.max_restarts})"  # fmt: skip
@@ -966,6 +930,56 @@ class ReplicaSupervisor(JobState):
         self.event(GROUP_RESTART, group=g, attempt=self.group_restarts, reason=why)
         self._start(g)
         return None
+
+    def _meanwhile(self, training: set[int]) -> str:
+        """What the groups still training do while a failed group restarts, under the quorum in
+        force: they train on while they are at least --min-groups, else each step waits for it."""
+        if not training:
+            return ""
+        m = self.opts.min_groups
+        if len(training) >= m:
+            return "; the other groups keep training"
+        who = f"group {min(training)}" if len(training) == 1 else f"groups {sorted(training)}"
+        return (f"; {who} wait{'s' if len(training) == 1 else ''} for it: a step needs "
+                f"--min-groups {m} groups, so none is released until it is back (--min-groups "
+                f"{len(training)} would let {'it' if len(training) == 1 else 'them'} train on)")  # fmt: skip
+
+    def _exit_why(self, g: int, pid: int, code: int) -> str:
+        """Why group `g` failed when its process `pid` exited with `code`: the code and the
+        signal, and the fault injected there if one was (as a plain launch says)."""
+        grp = self.groups[g]
+        inc = grp.spec["incarnation"] if grp.spec else self.incarnation
+        ids = getattr(grp, "ids", None) or list(getattr(grp, "procs", {}))
+        spec = self.injected.get((inc, pid)) or next(
+            (self.injected[(inc, p)] for p in ids if (inc, p) in self.injected), None
+        )
+        log = self._log_of(g, pid)
+        if log:
+            self.exit_logs[g] = log
+        return f"process {pid} {exit_text(code)}" + (f" — injected fault {spec}" if spec else "")
+
+    def _log_of(self, g: int, pid: int) -> str | None:
+        """The log of process `pid` of group `g` (on another host: in the shared run directory,
+        by the name its agent gives it)."""
+        grp = self.groups[g]
+        if isinstance(grp, ReplicaGroup):
+            return grp.logs.get(pid)
+        if not grp.spec:
+            return None
+        name = f"inc{grp.spec['incarnation']}-group{grp.attempt}-proc{pid}.log"
+        return os.path.join(self.run_dir, runlog.LOGS, name)
+
+    def _usage_error(self, g: int, pid: int) -> tuple[str, int]:
+        """A process that exited 2 (a usage or configuration error) fails the same way in every
+        restart: its log's last lines (its error line) and the job ends."""
+        log = self._log_of(g, pid)
+        say_log_tail(log)
+        return self._give_up(
+            f"process {pid} of group {g} exited with code 2 (a usage or configuration error, "
+            f"restarting will not help)",
+            (f"Its log: {log}. " if log else "")
+            + f"Checkpoints in {self.run_dir}/checkpoints are intact.",
+        )  # fmt: skip
 
     def _summary(self, wall_s: float, status: str) -> None:
         from jaxpar.rundir import goodput  # numpy: only at the end

@@ -1,5 +1,6 @@
 """The layers of docs/design.md's table are the imports of jaxpar/: nothing imports upward, no
-module cycle (under TYPE_CHECKING too), no private name taken from another package."""
+module cycle (under TYPE_CHECKING too), no import circle inside a package (through imports inside
+functions too), no private name taken from another package."""
 
 from __future__ import annotations
 
@@ -177,6 +178,80 @@ def test_no_import_cycle_between_modules():
             visit(node, [node])
 
 
+def import_graph(mods: dict[str, pathlib.Path], units: list[str]) -> dict[str, set[str]]:
+    """Module -> the modules of its own package (its row of the table) that it imports: at any
+    depth, inside functions and under `if TYPE_CHECKING:` too."""
+    graph = {}
+    for name, path in mods.items():
+        here = unit_of(name, units)
+        deps = set()
+        for mod, names, _top in imports(path):
+            targets = [f"{mod}.{n}" for n in names if f"{mod}.{n}" in mods] or [mod]
+            deps |= {t for t in targets if t in mods and t != name and unit_of(t, units) == here}
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: for each strongly connected set of modules (Tarjan's
+    algorithm), one circle through its first module, as a path that ends where it starts."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = set()
+            while True:
+                w = stack.pop()
+                scc.add(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(_circle(graph, scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def _circle(graph: dict[str, set[str]], scc: set[str]) -> list[str]:
+    """A shortest circle through the first module of `scc` (breadth first, inside `scc`)."""
+    first = min(scc)
+    paths = {first: [first]}
+    todo = [first]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v] & scc):
+            if w == first:
+                return [*paths[v], first]
+            if w not in paths:
+                paths[w] = [*paths[v], w]
+                todo.append(w)
+    raise AssertionError(f"no circle in {sorted(scc)}")
+
+
+def test_no_import_circle_inside_a_package():
+    """Imports inside functions and for the type checker only still tie modules together: a
+    circle of them inside one package means a piece is in the wrong module (move what both
+    sides need to a module below them)."""
+    units = [n for row, _ in layer_table() for n in row] + list(USER_SIDE)
+    found = cycles(import_graph(modules(), units))
+    assert not found, "import circles inside a package:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
 @pytest.mark.parametrize(
     "source, problem",
     [
@@ -194,6 +269,27 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch, source, probl
     monkeypatch.setitem(globals(), "modules", lambda: mods)
     with pytest.raises(AssertionError, match=problem):
         test_every_import_follows_the_table()
+
+
+def test_the_check_catches_a_circle_through_function_and_type_checking_imports(monkeypatch):
+    """Two modules of one package that import each other only inside a function and under
+    TYPE_CHECKING are a circle."""
+    a = ROOT / "jaxpar" / "engine" / "_planted_a.py"
+    b = ROOT / "jaxpar" / "engine" / "_planted_b.py"
+    sources = {
+        a: "def f():\n    from jaxpar.engine import _planted_b\n",
+        b: "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxpar.engine._planted_a import f\n",
+    }
+    mods = {**modules(), "jaxpar.engine._planted_a": a, "jaxpar.engine._planted_b": b}
+    original = pathlib.Path.read_text
+    monkeypatch.setattr(pathlib.Path, "read_text",
+                        lambda self, *x, **k: sources.get(self) or original(self, *x, **k))  # fmt: skip
+    monkeypatch.setitem(globals(), "modules", lambda: mods)
+    with pytest.raises(
+        AssertionError,
+        match=r"jaxpar\.engine\._planted_a -> jaxpar\.engine\._planted_b -> jaxpar\.engine\._planted_a",
+    ):
+        test_no_import_circle_inside_a_package()
 
 
 def _reader(planted: pathlib.Path, source: str):

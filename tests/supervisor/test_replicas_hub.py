@@ -414,17 +414,90 @@ def test_groups_bad_input_one_line(tmp_path, args, message):
     assert out.stderr.strip().splitlines() == [f"error: {message}"]
 
 
+USAGE_WORKER = """
+import os, sys, time
+time.sleep(int(os.environ['JAXPAR_GROUP']))
+print("error: data.global_batch=3 is not divisible by --groups 2", file=sys.stderr)
+sys.exit(2)
+"""
+
+
 def test_a_groups_configuration_error_is_not_restarted(tmp_path):
     """A group's process that exits 2 (a usage or configuration error, e.g. a global batch the
-    groups do not divide) would fail the same way in every restart: the job gives up at once."""
+    groups do not divide) would fail the same way in every restart: the job gives up at once,
+    with the worker's error line and its log's path, as a plain launch does."""
+    run = tmp_path / "r"
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--groups", "2",
-           "--no-spares", "--run-dir", str(tmp_path / "r"), "--", sys.executable, "-c",
-           "import os, sys, time; time.sleep(int(os.environ['JAXPAR_GROUP'])); sys.exit(2)"]  # fmt: skip
+           "--no-spares", "--run-dir", str(run), "--", sys.executable, "-c", USAGE_WORKER]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "giving up: process 0 of group 0 exited with code 2 (a usage or configuration " \
         "error, restarting will not help)" in out.stderr, out.stderr  # fmt: skip
+    log = run / "logs" / "inc0-group0-proc0.log"
+    assert f"last lines of {log}:\n    error: data.global_batch=3 is not divisible by " \
+        f"--groups 2" in out.stderr, out.stderr  # fmt: skip
+    assert f"Its log: {log}." in out.stderr
     assert "group 0 failed" not in out.stderr
+
+
+# Both groups (one process each) join the job's first step; then group 1's process closes its
+# hub connection and dies 0.4 s later (a process that dies closes its sockets first; the
+# supervisor may see the closed connection before the exit): killed, or exiting 44 after a `nan`
+# fault's event.
+LOST_FIRST_WORKER = """
+import os, signal, socket, sys, time
+import numpy as np
+from jaxpar.rundir.writer import RunDir
+from jaxpar.worker import group_layout, group_wire
+g, p = int(os.environ["JAXPAR_GROUP"]), int(os.environ["JAXPAR_GLOBAL_PROCESS"])
+run_dir = os.environ["JAXPAR_RUN_DIR"]
+host, port = os.environ["JAXPAR_GROUP_HUB"].rsplit(":", 1)
+sock = socket.create_connection((host, int(port)), timeout=10)
+wire = group_wire.client_handshake(sock, bytes.fromhex(os.environ["JAXPAR_GROUP_KEY"]),
+                                   {"group": g, "rank": 0})
+wire.send({"kind": "ready", "step": 0, **group_layout.whole([np.zeros(2, np.float32)], send=False)})
+if g == 0:
+    open(os.path.join(run_dir, "group0-ready"), "w").close()
+    time.sleep(120)
+while not os.path.exists(os.path.join(run_dir, "group0-ready")):
+    time.sleep(0.05)
+if sys.argv[1] == "nan":
+    run = RunDir(run_dir, 1, int(os.environ["JAXPAR_INCARNATION"]))
+    run.event("fault_injected", all_processes=True, kind="nan", spec="nan@8", process=p, step=8,
+              permanent=False)
+time.sleep(0.3)
+sock.close()
+time.sleep(0.4)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(44)
+"""
+
+
+@pytest.mark.parametrize(
+    "how, min_groups, why, meanwhile",
+    [
+        ("kill", [], "process 1 was killed by SIGKILL (code -9)",
+         "; group 0 waits for it: a step needs --min-groups 2 groups, so none is released until "
+         "it is back (--min-groups 1 would let it train on)"),
+        ("nan", ["--min-groups", "1"], "process 1 exited with code 44 (a non-finite loss, or a "
+         "state of NaNs that was not saved) — injected fault nan@8",
+         "; the other groups keep training"),
+    ],
+)  # fmt: skip
+def test_a_group_that_dies_is_named_by_its_exit_not_its_lost_connection(tmp_path, how,
+                                                                         min_groups, why, meanwhile):  # fmt: skip
+    """Whichever the supervisor sees first, the closed hub connection or the exit, the failure
+    names the exit (code, signal, the injected fault); and what the other group does meanwhile
+    follows the quorum in force: with two groups the default --min-groups is 2, so it waits."""
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--groups", "2",
+           *min_groups, "--no-spares", "--max-restarts", "1", "--run-dir", str(tmp_path / "r"),
+           "--", sys.executable, "-c", LOST_FIRST_WORKER, how]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count(f"group 1 failed ({why}){meanwhile}\n") == 2, out.stderr
+    assert "connection to the group hub was lost" not in out.stderr, out.stderr
+    assert "giving up: restart budget spent (1 of --max-restarts 1)" in out.stderr
 
 
 def test_a_group_started_beside_live_groups_leaves_their_save_in_flight(tmp_path, monkeypatch):

@@ -54,6 +54,10 @@ def summarize_run(
     timeline's (launch -> end), the denominator of goodput in the summary and the report alike.
     """
     run = RunDir(run_dir)
+    events, metrics = runlog.read_run(run.path)
+    # the newest incarnation that ran (RunDir counts the starts: the number of the next one)
+    starts = [e.get("incarnation") for e in events if e.get("event") == runlog.WorkerEvent.START]
+    run.incarnation = max([i for i in starts if type(i) is int] or [0])
     run.event(SupervisorEvent.ENDED, status=status, wall_s=wall_s)
     events, metrics = runlog.read_run(run.path)
     out = summarize(run, wall_s, restarts)

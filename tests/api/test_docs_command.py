@@ -9,6 +9,7 @@ import pytest
 
 from jaxpar import cli
 from tests.support.hardening_util import call
+from tests.support.helpers import REPO
 
 COMMANDS = ([], ["train"], ["launch"], ["data"], ["data", "prepare"], ["sample"], ["export"],
             ["report"], ["inspect"], ["bench"], ["docs"])  # fmt: skip
@@ -48,3 +49,15 @@ def test_train_help_says_what_the_files_said(capsys):
         assert f"  {kind.usage}: {kind.doc}" in text
     assert "  ckpt: every=50, keep=3, restore='latest'" in text
     assert "  comm: compress='none'" in text
+
+
+def test_the_readme_says_when_lr_is_logged_and_what_eval_loss_averages():
+    """The metrics a run writes, as the README describes them: `lr` only where the optimizer's
+    state holds it, and eval_loss's batch count with its real default."""
+    from jaxpar.config import TrainLoopConfig
+
+    readme = re.sub(r"\s+", " ", (REPO / "README.md").read_text())
+    item = readme.split("**Run directory**", 1)[1].split("- **", 1)[0]
+    assert "`lr` where it is known" in item and "optax.inject_hyperparams" in item, item
+    n = TrainLoopConfig().eval_batches
+    assert f"`train.eval_batches` (default {n})" in item, item

@@ -90,6 +90,19 @@ def test_summarize_counts_lost_steps(tmp_path):
     assert summarize(RunDir(str(tmp_path / "empty")), wall_s=1.0)["steps"] == 0
 
 
+def test_the_ended_event_carries_the_newest_incarnation_that_ran(tmp_path):
+    """A killed-and-restarted job ran incarnations 0 and 1: `ended` is of incarnation 1 (not 2,
+    the number of starts)."""
+    from jaxpar.rundir import goodput
+
+    for inc in (0, 1):
+        RunDir(str(tmp_path), incarnation=inc).event("start", nproc=1, mesh="data=8")
+        append_line(str(tmp_path / "metrics.jsonl"), _line(1 + inc, 4.0, inc=inc))
+    goodput.summarize_run(str(tmp_path), wall_s=3.0, restarts=1, status="completed")
+    ended = [e for e in read_jsonl(str(tmp_path / "events.jsonl")) if e["event"] == "ended"]
+    assert [e["incarnation"] for e in ended] == [1]
+
+
 @pytest.mark.parametrize(
     "kind, peak",
     [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-40GB", 312e12), ("TPU v4", 275e12),

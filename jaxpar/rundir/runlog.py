@@ -419,6 +419,11 @@ class Incident:
     lost_steps: int = 0
     lost_step_time_s: float = 0.0
 
+    @property
+    def extension(self) -> bool:
+        """A finished run continued to more steps (`--steps` raised): no failure, no restart."""
+        return self.cause == "extension"
+
     def ledger(self) -> dict[str, Any]:
         """The summary.json form (jaxpar launch's incidents)."""
         return {
@@ -609,6 +614,13 @@ def _incident(
         )
     else:
         cause = description.split(" ")[0].removesuffix(":")
+    finished = prev.last(WorkerEvent.DONE) if prev is not None and det is None else None
+    if finished is not None and finished.get("complete", True) and not fault and nxt is not None:
+        at = finished.get("step")
+        beyond = [int(x["step"]) for x in nxt.train if type(at) is int and x["step"] > at]
+        if beyond:  # it trained past the step the run had finished at: a longer run, no restart
+            cause = "extension"
+            description = f"extension of the run finished at step {at} (to step {max(beyond)})"
     inc = Incident(
         cause=cause,
         description=description,
@@ -617,7 +629,9 @@ def _incident(
         process=det.get("process") if det else None,
         code=det.get("code") if det else None,
         step=det.get("step") if det else None,
-        failed_at_step=fault.get("step") if fault else (max(done) + 1 if done else None),
+        failed_at_step=(
+            fault.get("step") if fault else max(done) + 1 if done and cause != "extension" else None
+        ),
         detected=det is not None,
     )
     if det is not None and t_cause is not None:

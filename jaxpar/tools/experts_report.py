@@ -3,7 +3,9 @@ they collapsed (one expert chosen by most tokens). No jax.
 
 Reads `moe_expert_load` (each expert's share of the routed assignments, summing to 1) from the
 metrics lines, `moe_dropped_frac` and `moe_aux_loss` beside it, and `model.top_k` from
-config.json: an expert's share of the *tokens* is its share of the assignments x top_k. The run
+config.json: an expert's share of the *tokens* is its share of the assignments x top_k. The text
+states every expert's load as a share of the tokens (the plot stacks shares of the assignments,
+which add up to 1); the dropped share is of the assignments and says so. The run
 directory is untrusted: a line whose loads are not a list of finite numbers of the run's expert
 count is skipped.
 """
@@ -68,15 +70,21 @@ def section(per_step: dict[int, dict], config: dict) -> list[str]:
     last = max(by_step)
     final = by_step[last]
     out = ["## Experts", ""]
+    # every share below is of the tokens: an expert's share of the assignments x top_k (a token
+    # is assigned to k experts, so the shares of the tokens add up to k, not 1)
     out.append(
-        f"{n} experts, top-{k} routing: an even load is {1 / n:.1%} of the assignments per "
-        f"expert. At step {last} the busiest expert took {max(final):.1%} and the idlest "
-        f"{min(final):.1%}."
+        f"{n} experts, top-{k} routing: each token is sent to {k} expert(s), so an even load has "
+        f"each expert chosen by {min(1.0, k / n):.1%} of the tokens. At step {last} the busiest "
+        f"expert was chosen by {min(1.0, max(final) * k):.1%} of the tokens and the idlest by "
+        f"{min(1.0, min(final) * k):.1%}."
     )
     dropped = [v.get("moe_dropped_frac") for v in per_step.values()]
     dropped = [d for d in dropped if _number(d)]
     if dropped:
-        out.append(f"Tokens dropped over capacity: {float(np.median(dropped)):.2%} (median).")
+        out.append(
+            f"Token-to-expert assignments dropped over capacity: {float(np.median(dropped)):.2%} "
+            f"of the assignments (median over the logged steps)."
+        )
     bad = collapsed_steps(by_step, k)
     out.append("")
     if bad:

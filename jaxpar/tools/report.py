@@ -78,8 +78,13 @@ class Analysis:
 
     @property
     def restarts(self) -> list[Incident]:
-        """Incidents after which an incarnation resumed, in its order."""
-        return [i for i in self.timeline.incidents if i.resumed is not None]
+        """Incidents after which an incarnation resumed, in its order (not the extensions)."""
+        return [i for i in self.timeline.incidents if i.resumed is not None and not i.extension]
+
+    @property
+    def extensions(self) -> list[Incident]:
+        """A finished run continued to more steps (`--steps` raised): listed apart."""
+        return [i for i in self.timeline.incidents if i.resumed is not None and i.extension]
 
     @property
     def ledger(self) -> list[dict]:
@@ -327,6 +332,9 @@ def _summary_rows(a: Analysis) -> list[tuple[str, str]]:
         ("wall-clock (launch or first start → end, idle gaps excluded)",
          f"{a.wall_s:.1f} s"),
         ("incarnations / restarts", f"{len(a.incarnations)} / {len(a.restarts)}"),
+        ("extensions (a finished run continued)",
+         ", ".join(f"from step {r.resumed_from} (incarnation {r.resumed})"
+                   for r in a.extensions) or "none"),
         ("restores", ", ".join(restores) or "none"),
         ("shrinks", ", ".join(shrinks) or "none"),
         ("recomputed steps", f"{lost} ({a.totals['recomputed']:.1f} s)"),

@@ -111,6 +111,24 @@ def test_report_of_a_run_without_restarts(tmp_path):
     assert "No restarts" in md and "| status | completed |" in md
 
 
+def test_a_finished_run_continued_with_more_steps_is_an_extension_not_a_restart(tmp_path):
+    """A run finished at step 4, then run again with --steps 8: listed as an extension."""
+    run = str(tmp_path)
+    _ev(run, "start", 0.0, 0, nproc=1, mesh="data=8")
+    _steps(run, 0, range(1, 5), t_first=2.0)
+    _ev(run, "done", 6.0, 0, step=4, complete=True)
+    _ev(run, "start", 50.0, 1, nproc=1, mesh="data=8")
+    _ev(run, "restore", 51.0, 1, step=4, tier="persistent")
+    _steps(run, 1, range(5, 9), t_first=53.0)
+    _ev(run, "done", 57.0, 1, step=8, complete=True)
+    a = report.analyze(run)
+    assert a.restarts == [] and [r.resumed for r in a.extensions] == [1]
+    assert a.extensions[0].failed_at_step is None
+    md = open(report.write_report(run)).read()
+    assert "No restarts" in md and "| incarnations / restarts | 2 / 0 |" in md, md
+    assert "| extensions (a finished run continued) | from step 4 (incarnation 1) |" in md, md
+
+
 def test_report_of_a_run_in_progress(tmp_path):
     run = str(tmp_path)
     _ev(run, "start", 0.0, 0, nproc=1, mesh="data=8")

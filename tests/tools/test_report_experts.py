@@ -29,8 +29,12 @@ def test_balanced_experts_are_plotted_and_not_called_collapsed(tmp_path):
     run = _run(tmp_path, [even, [0.4, 0.2, 0.2, 0.2], even])
     text = open(report.write_report(run)).read()
     assert "## Experts" in text and "4 experts, top-2 routing" in text
+    # every expert's load in one unit, the share of the tokens (the old text gave the even load
+    # in assignments, 25%, beside the busiest expert's tokens, 50%)
+    assert "an even load has each expert chosen by 50.0% of the tokens. At step 3 the busiest " \
+        "expert was chosen by 50.0% of the tokens and the idlest by 50.0%." in text  # fmt: skip
     assert "No collapse" in text and "the busiest: 80% of them at step 2" in text
-    assert "Tokens dropped over capacity: 5.00% (median)" in text
+    assert "dropped over capacity: 5.00% of the assignments (median" in text
     assert "![Expert load](expert_load.png)" in text
     with open(os.path.join(run, "report", "expert_load.png"), "rb") as f:
         assert f.read(8) == PNG

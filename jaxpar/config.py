@@ -428,9 +428,21 @@ RANGES: dict[str, Range | tuple[str, ...]] = {
 }
 
 
+# Where jaxpar's own model configs live (the checkout's models/, installed or served as
+# jaxpar.models): only they get the default ranges below; a user's config is checked by its own
+# RANGES alone (and every float of it must be finite).
+OWN_MODELS = "jaxpar.models"
+
+
+def own_model_config(model_cfg: Any) -> bool:
+    """Whether `model_cfg` is one of jaxpar's own model configs (a class of jaxpar.models)."""
+    module = type(model_cfg).__module__
+    return module == OWN_MODELS or module.startswith(OWN_MODELS + ".")
+
+
 def _model_range(name: str, value: Any) -> Range | None:
-    """A model config's ranges: its own `RANGES` class attribute, else sizes (ints) >= 1 and
-    dropout-like rates in [0, 1)."""
+    """The default range of a field of jaxpar's own model configs (those that declare none in
+    `RANGES`): sizes (ints) >= 1 and dropout-like rates in [0, 1)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -498,13 +510,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     range); returns `cfg`. Called before a run writes anything."""
     if not dataclasses.is_dataclass(cfg.model):
         raise ValueError(f"model={cfg.model!r}: the model config must be a dataclass")
+    # a model config's own RANGES; jaxpar's default ranges for jaxpar's own configs only (a
+    # user's field named like one of theirs means something else); every float finite
     own = getattr(type(cfg.model), "RANGES", {})
+    defaults = own_model_config(cfg.model)
     for f in dataclasses.fields(cfg.model):
         value = getattr(cfg.model, f.name)
         key = f"model.{f.name}"
         items = value if isinstance(value, tuple) else (value,)
         for item in items:
-            _check(key, item, own.get(f.name) or _model_range(f.name, item))
+            rule = own.get(f.name) or (_model_range(f.name, item) if defaults else None)
+            _check(key, item, rule)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if f.name == "model" or not dataclasses.is_dataclass(section):

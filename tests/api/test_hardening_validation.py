@@ -153,6 +153,47 @@ def test_config_ranges_name_the_key_and_the_range():
     assert validate(cfg) is cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class UserMoEConfig:
+    """A user's own model config whose field names happen to be jaxpar's (moe_every, dropout)."""
+
+    moe_every: int = 0  # 0: no MoE layer, in this user's meaning
+    moe_period: int = 0
+    dropout: float = 1.5
+    scale: float = 1.0
+
+    def build(self, rngs):  # never called here
+        raise AssertionError
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRangedConfig(UserMoEConfig):
+    RANGES: typing.ClassVar[dict] = {"moe_every": RANGES["data.seed"]}  # >= 0
+
+
+def test_jaxpar_ranges_apply_to_its_own_model_configs_only():
+    """jaxpar's default ranges (sizes >= 1, rates in [0, 1)) are for jaxpar.models' configs; a
+    user's config is checked by its own RANGES, and every float must be finite."""
+    from jaxpar.config import apply_overrides
+
+    cfg = dataclasses.replace(resolve_recipe("gpt_tiny"), model=UserMoEConfig())
+    assert validate(cfg) is cfg  # moe_every=0, moe_period=0, dropout=1.5: the user's meaning
+    with pytest.raises(ValueError, match=r"model\.scale=nan is out of range: allowed a finite"):
+        validate(dataclasses.replace(cfg, model=UserMoEConfig(scale=float("nan"))))
+    ranged = dataclasses.replace(cfg, model=UserRangedConfig(moe_every=-1))
+    with pytest.raises(ValueError, match=r"model\.moe_every=-1 is out of range: allowed >= 0"):
+        validate(ranged)
+    for item, message in (("model.n_layers=0", "allowed >= 1"),  # jaxpar's GPT: the defaults
+                          ("model.dropout=1.5", "allowed 0 <= x < 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            validate(apply_overrides(resolve_recipe("gpt_tiny"), [item]))
+    llama = resolve_recipe("llama3_tiny")  # its own RANGES beside the defaults
+    with pytest.raises(ValueError, match=r"model\.rope_factor=0\.5 is out of range: allowed >= 1"):
+        validate(apply_overrides(llama, ["model.rope_factor=0.5"]))
+    with pytest.raises(ValueError, match=r"model\.n_layers=0 is out of range: allowed >= 1"):
+        validate(apply_overrides(llama, ["model.n_layers=0"]))
+
+
 def test_settings_that_lose_work_warn():
     from jaxpar.config import apply_overrides
 

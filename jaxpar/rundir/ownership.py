@@ -26,6 +26,8 @@ from jaxpar.rundir import runlog
 
 LOCK_FILE = runlog.LOCK
 ENV_RUN_LOCK = "JAXPAR_RUN_LOCK"  # the token of the lock a supervisor holds for its workers
+# "1": use a run directory (or its lock file, its checkpoints/) that another user owns
+ENV_FOREIGN = "JAXPAR_FOREIGN_RUN_DIR"
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 RUN_DIR_MODE = 0o700  # a run directory jaxpar creates is its owner's alone
 PRIVATE_UMASK = 0o077  # files a jaxpar command creates: no access for group or others
@@ -34,6 +36,10 @@ MAX_SECRET_BYTES = 4096
 
 class RunDirLocked(ValueError):
     """Another live process owns the run directory."""
+
+
+class ForeignRunDir(RunDirLocked):
+    """The run directory, its lock file or its checkpoints/ belong to another user."""
 
 
 # ---- paths --------------------------------------------------------------------------------------
@@ -62,6 +68,30 @@ def check_path(run_dir: str, option: str = "--run-dir") -> str:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {run_dir}: {probe} is not writable; choose another directory")
     return path
+
+
+def check_owner(run_dir: str) -> None:
+    """Refuse (ForeignRunDir, naming the fix) a run directory whose folder, lock file or
+    checkpoints/ another user owns, unless $JAXPAR_FOREIGN_RUN_DIR is 1: that user could swap
+    its checkpoints (they carry checksums, not a MAC) or plant files a restart trusts. What does
+    not exist yet is created by this user, so passes."""
+    if os.environ.get(ENV_FOREIGN) == "1":
+        return
+    path = os.path.abspath(run_dir)
+    for what, p in (("", path), (": its lock file ", os.path.join(path, LOCK_FILE)),
+                    (": its checkpoints folder ", os.path.join(path, runlog.CHECKPOINTS))):  # fmt: skip
+        try:
+            uid = os.stat(p).st_uid
+        except OSError:
+            continue
+        if uid != os.geteuid():
+            where = f"{run_dir}{what}{p if what else ''}"
+            raise ForeignRunDir(
+                f"run directory {where} belongs to {_user(uid)}, not to you: that "
+                f"user can replace its checkpoints (checksummed, not signed) and the run would "
+                f"train on them; use a run directory of your own, or set {ENV_FOREIGN}=1 if you "
+                f"trust that user"
+            )
 
 
 def under_system_dir(path: str) -> str | None:
@@ -217,6 +247,7 @@ def acquire(run_dir: str, owner: str) -> RunDirLock:
     """Take the run directory's lock (creating the directory); RunDirLocked if a live process
     holds it. A lock file whose holder is dead is taken over (see `RunDirLock.took_over`)."""
     run_dir = os.path.abspath(run_dir)
+    check_owner(run_dir)
     try:
         make_run_dir(run_dir)
     except OSError as e:
@@ -283,6 +314,10 @@ def _owner_of(path: str) -> str:
         uid = os.stat(path, follow_symlinks=False).st_uid
     except OSError:
         return "another user"
+    return _user(uid)
+
+
+def _user(uid: int) -> str:
     try:
         import pwd
 

@@ -338,6 +338,7 @@ def preflight(cfg: TrainConfig, run_dir: str, faults: list[str]) -> list:
     if not os.environ.get(bootstrap.ENV_SUPERVISED):  # a launched job may have shrunk since
         check_fault_processes([s for s in specs if s.text in faults], jax.process_count())
     ownership.check_path(run_dir)
+    ownership.check_owner(run_dir)
     ckpt_dir = os.path.join(run_dir, runlog.CHECKPOINTS)
     meta = config_meta(cfg)
     step = checkpoint_preflight(ckpt_dir, meta, which=cfg.ckpt.restore, force=cfg.ckpt.force)

@@ -90,6 +90,22 @@ def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(capsys, tmp_pa
     ownership.acquire(str(run_dir), "python -m train").release()  # free again
 
 
+def test_a_run_directory_another_user_owns_is_refused_before_anything_is_written(capsys, tmp_path):
+    """Another user's folder, writable by all: `python -m train` refuses it in one line (its
+    checkpoints could be swapped by that user) and writes nothing there."""
+    if os.geteuid() != 0:
+        pytest.skip("simulating another user's folder needs root (chown)")
+    run_dir = tmp_path / "theirs"
+    run_dir.mkdir(mode=0o777)
+    os.chmod(run_dir, 0o777)
+    os.chown(run_dir, 65534, 65534)
+    argv = ["--run-dir", str(run_dir), "--steps", "2", "--set", "model.n_layers=1"]
+    assert call(train_main.main, argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "JAXPAR_FOREIGN_RUN_DIR=1" in err, err
+    assert os.listdir(run_dir) == []
+
+
 def test_workers_run_under_their_supervisors_lock(tmp_path, monkeypatch):
     run_dir = str(tmp_path / "run")
     lock = ownership.acquire(run_dir, "jaxpar launch")

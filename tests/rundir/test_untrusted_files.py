@@ -45,6 +45,35 @@ def test_a_lock_file_of_another_user_is_refused_with_one_line(tmp_path, monkeypa
         ownership.acquire(str(run), "test")
 
 
+@pytest.mark.parametrize("foreign", ["", "lock", "checkpoints"])
+def test_a_run_directory_of_another_user_is_refused_unless_allowed(tmp_path, monkeypatch, foreign):
+    """A run directory, its lock file (a 0666 one can be opened) or its checkpoints/ that another
+    user owns: that user could swap the checkpoints, so it is refused in one line naming why
+    and the setting that allows it."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "lock").write_text("{}")
+    os.chmod(run / "lock", 0o666)
+    theirs, real_stat = str(run / foreign) if foreign else str(run), os.stat
+
+    def stat(path, *a, **kw):  # `theirs` belongs to uid 4242
+        st = real_stat(path, *a, **kw)
+        if os.path.abspath(path) == theirs:
+            st = os.stat_result((*st[:4], 4242, *st[5:]))
+        return st
+
+    monkeypatch.setattr(ownership.os, "stat", stat)
+    monkeypatch.delenv(ownership.ENV_FOREIGN, raising=False)
+    with pytest.raises(ownership.ForeignRunDir) as e:
+        ownership.acquire(str(run), "test")
+    msg = str(e.value)
+    assert "\n" not in msg and f"{theirs} belongs to " in msg and "uid 4242" in msg, msg
+    assert "can replace its checkpoints" in msg and "JAXPAR_FOREIGN_RUN_DIR=1" in msg, msg
+    assert (run / "lock").read_text() == "{}"  # untouched
+    monkeypatch.setenv(ownership.ENV_FOREIGN, "1")  # asked for explicitly
+    ownership.acquire(str(run), "test").release()
+
+
 def test_run_directories_are_created_private(tmp_path):
     lock = ownership.acquire(str(tmp_path / "a"), "test")
     lock.release()

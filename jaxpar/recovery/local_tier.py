@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -28,12 +29,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.recovery import compile_cache, local_tier_clean, peer_tier
+from jaxpar.recovery.checkpoint import say
 from jaxpar.recovery.local_tier_store import (  # noqa: F401 - DATA, MARKER, SLOTS: the tier's file layout
     DATA,
     MARKER,
     SLOTS,
     Refused,
     Slots,
+    UnsafeFolder,
     authentic,
     check_root,
     exchange,
@@ -62,9 +65,43 @@ def default_root(configured: str = "") -> str:
         return configured
     if os.environ.get(ENV_LOCAL_DIR):
         return os.environ[ENV_LOCAL_DIR]
+    return shared_root()
+
+
+def shared_root() -> str:
+    """The default root: a predictable name in a folder every local user can write."""
     shm = "/dev/shm"
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"jaxpar-{os.getuid()}")
+
+
+def private_root(root: str) -> str:
+    """Beside `root`, a folder whose name only this user can know: a tag derived from the user's
+    key (the one the snapshots' MACs come from), the same for every process that holds the key,
+    so another local user cannot create it first."""
+    tag = hmac.new(snapshot_key(), b"jaxpar local tier root", hashlib.sha256).hexdigest()[:16]
+    return f"{root}-{tag}"
+
+
+def usable_root(root: str) -> tuple[str, str | None]:
+    """The tier's root, checked (created 0700): `root`, or where `root` is the shared default
+    and is not usable (another user created it first, a symlink, open to others), this user's
+    `private_root` beside it. Returns (root, the line that says so or None); UnsafeFolder
+    (naming the fix) for a folder the user chose, or when neither is usable."""
+    try:
+        check_root(root, ROOT_FIX)
+        return root, None
+    except UnsafeFolder as e:
+        if os.path.abspath(root) != shared_root():
+            raise
+        alt = private_root(root)
+        try:
+            check_root(alt, ROOT_FIX)
+        except UnsafeFolder:
+            raise e from None
+        return alt, (f"warning: {e.reason}; local snapshots go to {alt}, a folder of yours that "
+                     f"no other user can name (set ckpt.local_dir or ${ENV_LOCAL_DIR} to choose "
+                     f"one)")  # fmt: skip
 
 
 def run_key(run_path: str) -> str:
@@ -189,8 +226,12 @@ class LocalTier:
         self.paths, self.blocks, digest = layout(abstract_state)
         self.nbytes = sum(b.nbytes for b in self.blocks)
         self.every = plan_every(every, self.nbytes)
+        # UnsafeFolder (a ValueError: one line, exit 2); another user's default root: our own
+        root, moved = usable_root(root)
+        if moved:
+            say(moved)  # each process's log once; the `local_tier` event's `dir` records it
+        self.root = root
         self.node = node_dir(root, run.path)
-        check_root(root, ROOT_FIX)  # UnsafeFolder (a ValueError: one line, exit 2)
         # stale folders of this node go first; the run directory's identity binds every snapshot
         ident, removed = local_tier_clean.prepare(root, self.node, run.path, self.nproc)
         if removed:

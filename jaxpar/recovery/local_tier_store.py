@@ -33,7 +33,11 @@ MAC_THREADS = 8  # ... on at most this many threads
 
 class UnsafeFolder(ValueError):
     """A folder of the local tier that other users could write (or not a plain folder of this
-    user): the tier refuses it."""
+    user): the tier refuses it. `reason`: what is wrong, without the fix."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class Refused(OSError):
@@ -54,14 +58,15 @@ def check_root(root: str, hint: str) -> None:
     os.makedirs(parent, exist_ok=True)
     st = os.stat(parent)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise UnsafeFolder(f"local snapshot folder {root}: its parent is writable by other users "
-                           f"and not sticky (mode {stat.S_IMODE(st.st_mode):o}); {hint}")  # fmt: skip
+        why = (f"local snapshot folder {root}: its parent is writable by other users and not "
+               f"sticky (mode {stat.S_IMODE(st.st_mode):o})")  # fmt: skip
+        raise UnsafeFolder(f"{why}; {hint}", why)
     with contextlib.suppress(FileExistsError):
         os.mkdir(root, 0o700)
     st = os.lstat(root)
     why = _unsafe(st)
     if why:
-        raise UnsafeFolder(f"local snapshot folder {root} {why}; {hint}")
+        raise UnsafeFolder(f"local snapshot folder {root} {why}; {hint}", f"{root} {why}")
     if stat.S_IMODE(st.st_mode) != 0o700:
         private_dir(root)  # an older jaxpar's root: its run folders' names readable by every user
 

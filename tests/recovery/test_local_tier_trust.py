@@ -113,6 +113,54 @@ def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack)
     assert not os.path.exists(os.path.join(root, "run-" + local_tier.run_key(tmp_path / "run")))
 
 
+@pytest.mark.parametrize("attack", ["other_owner", "mode_0777", "symlink", "parent_0777"])
+def test_a_squatted_default_root_falls_back_to_a_folder_of_ones_own(tmp_path, monkeypatch,
+                                                                     capsys, attack):  # fmt: skip
+    """Another local user created the default root /dev/shm/jaxpar-<uid> first (or left a
+    symlink, or a folder open to all): the run is not refused; its snapshots go to a folder
+    beside it whose name derives from the user's key, said in one line, and the squatted one is
+    left alone. Where the parent itself is unsafe the fallback is too: refused as before."""
+    root = tmp_path / "shm" / "jaxpar-0"
+    root.parent.mkdir()
+    root.parent.chmod(0o1777)  # sticky, as /dev/shm is
+    monkeypatch.setattr(local_tier, "shared_root", lambda: str(root))
+    if attack == "other_owner":
+        root.mkdir(mode=0o700)
+        _chown_to_another_user(root)
+    elif attack == "mode_0777":
+        root.mkdir()
+        os.chmod(root, 0o777)
+    elif attack == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        os.symlink(tmp_path / "elsewhere", root)
+    else:
+        os.chmod(root.parent, 0o777)
+        with pytest.raises(UnsafeFolder, match="its parent is writable by other users"):
+            _tier(RunDir(str(tmp_path / "run")), _abstract(_mesh()), root)
+        return
+    run = RunDir(str(tmp_path / "run"))
+    tier = _tier(run, _abstract(_mesh()), root)
+    alt = local_tier.private_root(str(root))
+    assert tier.root == alt and tier.node.startswith(alt + os.sep)
+    assert alt == local_tier.private_root(str(root)) != str(root)  # every process finds it
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert str(root) in line and f"local snapshots go to {alt}" in line, line
+    assert stat.S_IMODE(os.stat(alt).st_mode) == 0o700
+    tier.restore(None)
+    tier.offer(1, _state(tier._abstract, 1))
+    tier.close()
+    assert os.listdir(alt) and not os.path.islink(alt)
+    if attack == "symlink":
+        assert os.listdir(tmp_path / "elsewhere") == []  # never written through
+    elif attack == "mode_0777":
+        assert os.listdir(root) == []
+    bad = tmp_path / "chosen"  # a folder the user named is refused as before
+    bad.mkdir()
+    os.chmod(bad, 0o777)
+    with pytest.raises(UnsafeFolder, match="is writable by other users"):
+        _tier(run, _abstract(_mesh()), bad)
+
+
 def test_a_planted_symlink_is_never_followed(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")

@@ -592,6 +592,7 @@ def pipeline_grads(ctx: Context) -> Callable:
     parts = model_parts(graphdef, template)
     sched = make_schedule(cfg.pipeline, mesh.shape[AXIS], parts.num_layers)
     check_config(cfg, mesh, sched, ctx.task)
+    check_stage_call(parts, getattr(cfg.model, "seq_len", cfg.data.seq_len))
     d, p, v = mesh.shape[DATA], sched.stages, sched.repeats
     prec = ctx.prec  # casts inside the differentiated functions: float32 gradients
 
@@ -652,6 +653,28 @@ def pipeline_grads(ctx: Context) -> Callable:
         return loss, {}, grads
 
     return grads_fn
+
+
+def check_stage_call(parts: Parts, seq_len: int) -> None:
+    """Trace the embedding and one block abstractly, called as a stage calls them
+    (`block(x_BTD, key)`; nothing is computed or compiled): a model that refuses to run as a
+    pipeline stage raises its ValueError here, while the program is built and before the run
+    writes anything, not when the step compiles (e.g. MoE blocks whose auxiliary losses a
+    pipeline could not add to its loss)."""
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(parts.template)
+    )
+    layer = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _get(params, parts.path)
+    )
+
+    def stage(p, w, tokens_BT):
+        k_embed, k_block = jax.random.split(jax.random.key(0))
+        x_BTD = merge(parts.graphdef, parts.template, p).pipeline_parts()[0](tokens_BT, k_embed)
+        block = merge(parts.block_graphdef, parts.block_template, w)
+        return block(x_BTD, k_block)
+
+    jax.eval_shape(stage, params, layer, jax.ShapeDtypeStruct((1, seq_len), jnp.int32))
 
 
 def check_config(cfg: TrainConfig, mesh: Mesh, sched: Schedule, task: str) -> None:

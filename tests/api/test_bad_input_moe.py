@@ -1,6 +1,6 @@
 """Bad mixture-of-experts settings for `jaxpar train`: one line naming the fix, exit 2, nothing
-written (the router's settings when the config is read, the expert axis when the program is
-built)."""
+written (the router's settings when the config is read, the expert axis and a pipeline with the
+auxiliary losses on when the program is built)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ from tests.support.hardening_util import snapshot
         (
             ["--recipe", "gpt_tiny", "--mesh", "data=2,expert=4"],
             "the mesh has expert=4 but the model has no experts",
+        ),
+        (  # the stage's block is traced abstractly as the program is built, not at compile
+            ["--recipe", "gpt_moe", "--mesh", "data=2,expert=2,pipeline=2"],
+            "a pipeline computes the loss stage by stage and cannot add the MoE auxiliary losses",
         ),
     ],
 )

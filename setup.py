@@ -18,11 +18,12 @@ def packages() -> list[str]:
     return found
 
 
-# The user guides ship inside the package as data (jaxpar/docs/*.md): `jaxpar docs TOPIC` prints one.
+# The user guides ship inside the package as data (jaxpar/docs/*.md): `jaxpar docs TOPIC` prints one;
+# with them the example scripts the guides use (jaxpar/docs/examples/*.py: `jaxpar docs examples`).
 DOCS = {"jaxpar.docs": "docs"}
 
 setup(
     packages=[*packages(), *DOCS],
     package_dir={**MAPPED, **DOCS},
-    package_data={"jaxpar.docs": ["*.md"]},
+    package_data={"jaxpar.docs": ["*.md", "examples/*.py"]},
 )

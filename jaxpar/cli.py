@@ -635,6 +635,9 @@ def _docs_dir() -> str | None:
     return None
 
 
+EXAMPLES = "examples"  # the example scripts the guides use: docs/examples/*.py
+
+
 def docs_topics() -> dict[str, str]:
     """Topic -> the page's path (the guides' file names without .md)."""
     folder = _docs_dir()
@@ -642,19 +645,46 @@ def docs_topics() -> dict[str, str]:
     return {n[: -len(".md")]: os.path.join(folder, n) for n in names if n.endswith(".md")}
 
 
+def docs_examples() -> dict[str, str]:
+    """Example script -> its path (`examples/NAME.py`), shipped beside the guides."""
+    folder = _docs_dir()
+    where = os.path.join(folder, EXAMPLES) if folder else ""
+    names = sorted(os.listdir(where)) if where and os.path.isdir(where) else []
+    return {f"{EXAMPLES}/{n}": os.path.join(where, n) for n in names if n.endswith(".py")}
+
+
+def _first_line(path: str) -> str:
+    """A page's title, or a script's first docstring line."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            text = line.strip().lstrip("#").strip().strip('"').strip()
+            if text:
+                return text
+    return ""
+
+
 def cmd_docs(args: argparse.Namespace) -> int:
-    topics = docs_topics()
+    topics, examples = docs_topics(), docs_examples()
     if not topics:
         raise ValueError("this installation has no documentation pages (jaxpar/docs/ is missing)")
     if args.topic is None:
         for topic, path in topics.items():
-            with open(path, encoding="utf-8") as f:
-                title = f.readline().lstrip("# ").strip()
-            print(f"{topic:<16} {title}")
+            print(f"{topic:<16} {_first_line(path)}")
+        if examples:
+            print(f"{EXAMPLES:<16} the example scripts the guides use (jaxpar docs {EXAMPLES})")
         return 0
-    if args.topic not in topics:
-        raise ValueError(f"no page {args.topic!r}; topics: {', '.join(topics)} (jaxpar docs)")
-    with open(topics[args.topic], encoding="utf-8") as f:
+    if args.topic == EXAMPLES:
+        for name, path in examples.items():
+            print(f"{name:<28} {_first_line(path)}")
+        print(f"\nprint one: jaxpar docs {EXAMPLES}/NAME.py (> NAME.py to run it from a folder of "
+              f"your own)")  # fmt: skip
+        return 0
+    name = args.topic if args.topic in examples else f"{EXAMPLES}/{args.topic}"
+    path = topics.get(args.topic) or examples.get(name)
+    if path is None:
+        raise ValueError(f"no page {args.topic!r}; topics: {', '.join([*topics, EXAMPLES])} "
+                         f"(jaxpar docs)")  # fmt: skip
+    with open(path, encoding="utf-8") as f:
         sys.stdout.write(f.read())
     return 0
 
@@ -732,9 +762,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     doc = sub.add_parser(
-        "docs", help="print a guide (design, data, cluster, api, ...); no TOPIC: list them"
-    )
-    doc.add_argument("topic", nargs="?", metavar="TOPIC", help="a page's name, e.g. cluster")
+        "docs", help="print a guide (design, data, cluster, api, ...) or an example script the "
+        "guides use; no TOPIC: list them"
+    )  # fmt: skip
+    doc.add_argument("topic", nargs="?", metavar="TOPIC", help="a page's name, e.g. cluster; "
+                     "`examples` lists the example scripts, `examples/NAME.py` prints one")  # fmt: skip
     doc.set_defaults(func=cmd_docs)
     _add_launch_parser(sub)
     _add_data_parser(sub)

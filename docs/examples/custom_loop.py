@@ -1,4 +1,4 @@
-"""A training entrypoint of your own on jaxpar's library API (docs/api.md):
+"""A training entrypoint of your own on jaxpar's library API (`jaxpar docs api`):
 
     jaxpar launch --nproc 2 --devices-per-proc 4 --run-dir runs/mine -- \
         python custom_loop.py --mesh data=2,tensor=4 --steps 100

@@ -4,7 +4,7 @@
 
 Flax's text (its imports, the model, the hyperparameters), then what jaxpar needs: a model
 config with build(rngs) and a recipe whose rule puts the example's 'model' axis on jaxpar's
-`tensor` mesh axis. docs/guide_own_model.md shows the diff.
+`tensor` mesh axis. `jaxpar docs guide_own_model` shows the diff.
 """
 
 import jax

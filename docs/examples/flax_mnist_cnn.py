@@ -3,7 +3,7 @@
     jaxpar train --recipe flax_mnist_cnn:recipe --mesh fsdp8     # from this folder
 
 Flax's text (its imports, the CNN, the optimizer settings and loss_fn), then what jaxpar needs:
-a model config with build(rngs) and a recipe. docs/guide_own_model.md shows the diff.
+a model config with build(rngs) and a recipe. `jaxpar docs guide_own_model` shows the diff.
 """
 
 from flax import nnx  # The Flax NNX API.

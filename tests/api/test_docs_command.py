@@ -61,3 +61,27 @@ def test_the_readme_says_when_lr_is_logged_and_what_eval_loss_averages():
     assert "`lr` where it is known" in item and "optax.inject_hyperparams" in item, item
     n = TrainLoopConfig().eval_batches
     assert f"`train.eval_batches` (default {n})" in item, item
+
+
+def test_the_guides_name_no_source_file_of_jaxpar():
+    """A wheel user reads the guides with `jaxpar docs` and has no jaxpar/ folder to open: the
+    guides say what is needed themselves (the design page, for changing the code, names the
+    modules it describes)."""
+    found = {}
+    for topic, path in cli.docs_topics().items():
+        if topic != "design":
+            with open(path, encoding="utf-8") as f:
+                found[topic] = re.findall(r"\bjaxpar/[\w/]+\.py\b", f.read())
+    assert not any(found.values()), {t: f for t, f in found.items() if f}
+
+
+def test_docs_lists_and_prints_the_example_scripts_the_guides_use(capsys):
+    assert call(cli.main, ["docs"]) == 0
+    assert re.search(r"^examples\s+\S", capsys.readouterr().out, re.M)
+    assert call(cli.main, ["docs", "examples"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("custom_loop.py", "flax_minigpt.py", "flax_mnist_cnn.py"):
+        assert re.search(rf"^examples/{name}\s+\S", listing, re.M), listing
+    assert call(cli.main, ["docs", "examples/custom_loop.py"]) == 0
+    script = capsys.readouterr().out
+    assert script == (REPO / "docs" / "examples" / "custom_loop.py").read_text()

@@ -86,6 +86,8 @@ def test_wheel_holds_one_top_level_package(venv):
         assert (site / "jaxpar" / sub / "__init__.py").is_file(), sub
         assert not (site / sub).exists(), f"generic top-level package {sub!r} installed"
     assert (site / "jaxpar" / "docs" / "cluster.md").is_file()  # `jaxpar docs` reads them
+    examples = sorted(p.name for p in (site / "jaxpar" / "docs" / "examples").glob("*.py"))
+    assert examples == sorted(p.name for p in (REPO / "docs" / "examples").glob("*.py"))
     assert not (site / "docs").exists()
 
 
@@ -95,6 +97,9 @@ def test_installed_cli_from_outside_the_checkout(venv, tmp_path):
     assert out.stdout.strip() == "jaxpar 0.1.0"
     page = _run([jaxpar, "docs", "cluster"], tmp_path).stdout
     assert page == (REPO / "docs" / "cluster.md").read_text()
+    assert "examples/custom_loop.py" in _run([jaxpar, "docs", "examples"], tmp_path).stdout
+    script = _run([jaxpar, "docs", "examples/custom_loop.py"], tmp_path).stdout
+    assert script == (REPO / "docs" / "examples" / "custom_loop.py").read_text()
     where = _run([str(venv / "bin" / "python"), "-c", "import jaxpar; print(jaxpar.__file__)"],
                  tmp_path)  # fmt: skip
     assert str(venv) in where.stdout and str(REPO) not in where.stdout

@@ -90,10 +90,14 @@ def _restart(saved, capsys) -> tuple[object, str]:
 # ---- the folders ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attack", ["other_owner", "mode_0777", "symlink", "parent_0777"])
-def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack):
+ATTACKS = ["other_owner", "mode_0777", "symlink", "parent_0777"]
+
+
+def _plant(tmp_path, attack: str):
+    """The root folder tmp_path/shm/jaxpar-0 as an attack leaves it (its parent sticky)."""
     root = tmp_path / "shm" / "jaxpar-0"
     root.parent.mkdir()
+    root.parent.chmod(0o1777)  # as /dev/shm is
     if attack == "other_owner":  # another user created it first (a predictable name)
         root.mkdir(mode=0o700)
         _chown_to_another_user(root)
@@ -105,6 +109,12 @@ def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack)
         os.symlink(tmp_path / "elsewhere", root)
     else:  # anyone could swap the folder for their own
         os.chmod(root.parent, 0o777)
+    return root
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack):
+    root = _plant(tmp_path, attack)
     with pytest.raises(UnsafeFolder) as e:
         _tier(RunDir(str(tmp_path / "run")), _abstract(_mesh()), root)
     msg = str(e.value)
@@ -113,28 +123,16 @@ def test_a_root_folder_others_can_write_is_refused_in_one_line(tmp_path, attack)
     assert not os.path.exists(os.path.join(root, "run-" + local_tier.run_key(tmp_path / "run")))
 
 
-@pytest.mark.parametrize("attack", ["other_owner", "mode_0777", "symlink", "parent_0777"])
+@pytest.mark.parametrize("attack", ATTACKS)
 def test_a_squatted_default_root_falls_back_to_a_folder_of_ones_own(tmp_path, monkeypatch,
                                                                      capsys, attack):  # fmt: skip
     """Another local user created the default root /dev/shm/jaxpar-<uid> first (or left a
     symlink, or a folder open to all): the run is not refused; its snapshots go to a folder
     beside it whose name derives from the user's key, said in one line, and the squatted one is
     left alone. Where the parent itself is unsafe the fallback is too: refused as before."""
-    root = tmp_path / "shm" / "jaxpar-0"
-    root.parent.mkdir()
-    root.parent.chmod(0o1777)  # sticky, as /dev/shm is
+    root = _plant(tmp_path, attack)
     monkeypatch.setattr(local_tier, "shared_root", lambda: str(root))
-    if attack == "other_owner":
-        root.mkdir(mode=0o700)
-        _chown_to_another_user(root)
-    elif attack == "mode_0777":
-        root.mkdir()
-        os.chmod(root, 0o777)
-    elif attack == "symlink":
-        (tmp_path / "elsewhere").mkdir()
-        os.symlink(tmp_path / "elsewhere", root)
-    else:
-        os.chmod(root.parent, 0o777)
+    if attack == "parent_0777":
         with pytest.raises(UnsafeFolder, match="its parent is writable by other users"):
             _tier(RunDir(str(tmp_path / "run")), _abstract(_mesh()), root)
         return

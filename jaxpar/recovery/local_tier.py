@@ -94,10 +94,10 @@ def usable_root(root: str) -> tuple[str, str | None]:
     except UnsafeFolder as e:
         if os.path.abspath(root) != shared_root():
             raise
-        alt = private_root(root)
-        try:
+        try:  # the key may be unusable too (a home that cannot be written): refused as before
+            alt = private_root(root)
             check_root(alt, ROOT_FIX)
-        except UnsafeFolder:
+        except (OSError, ValueError):
             raise e from None
         return alt, (f"warning: {e.reason}; local snapshots go to {alt}, a folder of yours that "
                      f"no other user can name (set ckpt.local_dir or ${ENV_LOCAL_DIR} to choose "

@@ -218,6 +218,7 @@ def small_fs(tmp_path):
 
 
 CPU_LOG_ENV = "JAXPAR_TEST_CPU_LOG"  # a file: one JSON line per test with the CPU seconds it used
+CPU_LOG_OWNER_ENV = "JAXPAR_TEST_CPU_LOG_PID"  # the process whose tests are logged
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -225,7 +226,11 @@ def pytest_runtest_protocol(item, nextitem):
     """With JAXPAR_TEST_CPU_LOG set, append each test's CPU seconds (this process's and those of
     the subprocesses it waited for) to that file: where the suite's time goes, load apart."""
     path = os.environ.get(CPU_LOG_ENV)
-    if not path:
+    # A test's child pytest (helpers.in_child, rerun_with_devices) logs nothing: its CPU seconds
+    # are its parent's, counted once in the parent test's row (the children it waited for).
+    owner = os.environ.setdefault(CPU_LOG_OWNER_ENV, str(os.getpid()))
+    helpers.START_ENV.setdefault(CPU_LOG_OWNER_ENV, owner)
+    if not path or owner != str(os.getpid()):
         yield
         return
     import json

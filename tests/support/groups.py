@@ -45,7 +45,7 @@ LONGEST_FIRST = {
     "recovery/test_local_resume_2proc.py": 170,
     "supervisor/test_supervisor.py": 155,
     PIPELINE_CHILDREN: 150,
-    "tools/test_doctor.py": 140,
+    "tools/test_doctor.py": 100,
     "parallel/test_comm.py": 130,
     "api/test_notebook.py": 125,
     "bench/test_bench_quick.py": 120,

@@ -49,7 +49,7 @@ LONGEST_FIRST = {
     "parallel/test_comm.py": 130,
     "api/test_notebook.py": 125,
     "bench/test_bench_quick.py": 120,
-    "parallel/test_context.py": 100,
+    "parallel/test_context.py": 60,
     "supervisor/test_replicas.py": 120,
     "recovery/test_resume_2proc.py": 85,
     "parallel/test_stage_layers.py": 80,

@@ -461,15 +461,16 @@ class Checkpointer:
         if step in self._own_steps:
             return 0.0  # already committed from this very state (restored, or a final re-save)
         t0 = time.time()
-        # a state with NaNs or infinities is never saved (it would be restored by every restart)
-        refuse_nonfinite(self.run, step, _hashes(state).nonfinite(), "checkpoint")
+        # a state with NaNs or infinities is never saved (it would be restored by every restart);
+        # the same hash program gives the checksums read in _pre_commit
+        hashes = _hashes(state)
+        refuse_nonfinite(self.run, step, hashes.nonfinite(), "checkpoint")
         self.run.event(WorkerEvent.SAVE_BEGIN, step=step)
         self.wait()  # one save in flight: a slow previous one blocks too
         if step in self.manager.all_steps():  # left by a run restored from an older step
             self.manager.delete(step)
             self.run.event(WorkerEvent.CHECKPOINT_REPLACED, step=step)
         self._check_space(state)
-        hashes = _hashes(state)  # dispatched (or done by the replica check); read in _pre_commit
         meta = {**self.meta, "step": step, "data_position": step, "time": time.time()}
         self._pending = (step, hashes)
         self.manager.save(

@@ -231,7 +231,10 @@ def test_heartbeat_on_a_full_disk_leaves_no_temporary_file(small_fs, monkeypatch
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_anything_is_written(small_fs):
+    import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxpar.recovery.checkpoint import Checkpointer
 
@@ -239,7 +242,9 @@ def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_anything_is_written
     ckpt = Checkpointer(run, every=1, keep=2, meta={"config_hash": "c"})
     try:
         with pytest.raises(OSError) as e:
-            ckpt.save(1, {"w": jnp.zeros((2 << 20,), jnp.float32)})  # 8 MiB on a 6 MiB disk
+            mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+            w = jax.device_put(jnp.zeros((2 << 20,), jnp.float32), NamedSharding(mesh, P()))
+            ckpt.save(1, {"w": w})  # 8 MiB on a 6 MiB disk (a train state's sharding)
         assert e.value.errno == errno.ENOSPC and e.value.filename == ckpt.directory
         assert "needs about 10496 KiB" in str(e.value)  # 8 MiB x 1.25 + 256 KiB
         assert os.listdir(ckpt.directory) == []  # nothing started, nothing to clean up

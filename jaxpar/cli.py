@@ -205,19 +205,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from jaxpar.config import apply_overrides, validate
     from jaxpar.tools.inspect import inspect, inspect_json
 
+    target = None
+    if args.target is not None:
+        from jaxpar.tools import targets
+
+        target = targets.get(args.target)  # an unknown name: one line before anything is built
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
     if args.json and args.no_audit:
         raise ValueError("--json reports the compiled step's figures: drop --no-audit")
+    # With a target the doctor reads the report's own compilation (one compile by its compiler)
+    doctor_inside = args.doctor and target is not None and not args.json and not args.no_audit
     with tempfile.TemporaryDirectory() as tmp:
         if args.json:
-            print(json.dumps(inspect_json(cfg, preset, tmp), indent=1))
+            print(json.dumps(inspect_json(cfg, preset, tmp, target=args.target), indent=1))
         else:
-            print(inspect(cfg, preset, tmp, audit=not args.no_audit))
-        if args.doctor:
+            print(inspect(cfg, preset, tmp, audit=not args.no_audit, target=args.target,
+                          with_doctor=doctor_inside))  # fmt: skip
+        if args.doctor and not doctor_inside:
             from jaxpar.tools import doctor
 
-            print("\n".join(doctor.doctor_lines(doctor.doctor(cfg, preset, tmp))))
+            found = doctor.doctor(cfg, preset, tmp, target=target)
+            print("\n".join(doctor.doctor_lines(found)))
     return 0
 
 
@@ -230,7 +239,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     axes = [a.strip() for a in args.axes.split(",") if a.strip()] if args.axes else None
-    tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out, axes=axes)
+    tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out, axes=axes,
+         target=args.target)  # fmt: skip
     return 0
 
 
@@ -718,13 +728,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--doctor", action="store_true", help="map the partitioner's involuntary "
                      "rematerializations to source lines and rules, propose a verified rule "
                      "change; the largest collectives with their source lines")  # fmt: skip
+    ins.add_argument("--target", default=None, metavar="NAME",
+                     help="compile the step with that accelerator's own XLA compiler, here, for "
+                     "its devices: h100x8, h100x16, h200x8, a100x8 (jaxpar[cuda-aot]), v5e-8, "
+                     "v5e-256, v5p-32, v5p-128, v6e-8 (jaxpar[tpu-aot]); per-device memory and "
+                     "whether it fits, FLOPs, collectives (jaxpar docs targets)")  # fmt: skip
     ins.set_defaults(func=cmd_inspect)
     tun = sub.add_parser("tune", help="rank the layouts of N devices by predicted step time "
                          "(compiled programs on a hardware profile)")  # fmt: skip
     tun.add_argument("--recipe", default="gpt_tiny", help="recipe name or module:function")
-    tun.add_argument("--devices", type=_int_at_least(1), required=True, help="devices to lay out")
-    tun.add_argument("--hardware", default="cpu", help="profile: h100x8, h200x8, v5e-8, v5p-32, "
-                     "or cpu (measured on this machine; default)")  # fmt: skip
+    tun.add_argument("--devices", type=_int_at_least(1), default=None,
+                     help="devices to lay out (required unless --target gives them)")  # fmt: skip
+    tun.add_argument("--hardware", default=None, help="profile: h100x8, h100x16, h200x8, a100x8, "
+                     "v5e-8, v5e-256, v5p-32, v5p-128, v6e-8, or cpu (measured on this machine; "
+                     "default)")  # fmt: skip
+    tun.add_argument("--target", default=None, metavar="NAME",
+                     help="compile every layout with that accelerator's own XLA compiler (its "
+                     "devices, its memory decides what fits) and predict on its profile; names "
+                     "as --hardware but cpu (jaxpar docs targets)")  # fmt: skip
     tun.add_argument("--measure", type=_int_at_least(0), default=0, metavar="K",
                      help="run K layouts (the top and a spread) here and compare")  # fmt: skip
     tun.add_argument("--top", type=_int_at_least(1), default=10, help="rows printed (default 10)")

@@ -8,6 +8,7 @@ Reading the optimised HLO (device numbering, replica groups, async pairs): docs/
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ class Collective:
     computation: str  # HLO computation the instruction sits in
     in_loop: bool  # inside a while body (directly or through calls)
     trip_count: int | None  # executions per program run, product over enclosing loops
+    # scheduled to overlap with computation: an async start/done pair the backend did not mark
+    # synchronous, or a TPU collective wrapped in an AsyncCollectiveStart fusion
+    overlapped: bool = False
 
     @property
     def wire_bytes(self) -> float:
@@ -62,6 +66,7 @@ class _Instr:
     opcode: str
     operands: str
     attrs: str
+    root: bool = False  # its computation's ROOT
 
 
 # --------------------------------------------------------------------------- HLO text parsing
@@ -104,7 +109,8 @@ def _parse_instr(line: str) -> _Instr | None:
     if not op:
         return None
     close = _balanced(tail, op.end() - 1)
-    return _Instr(name, shape, op.group(1), tail[op.end() : close - 1], tail[close:])
+    root = line.lstrip().startswith("ROOT ")
+    return _Instr(name, shape, op.group(1), tail[op.end() : close - 1], tail[close:], root)
 
 
 def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
@@ -285,8 +291,12 @@ def _axes_of(groups: list[list[int]], mesh: Mesh | AbstractMesh) -> tuple[tuple[
 # --------------------------------------------------------------------------- loops
 
 
-def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
-    """Trip count of a while op: XLA's ``known_trip_count``, else a ``i < N`` constant bound."""
+def _trip_count(
+    instr: _Instr, comps: dict[str, list[_Instr]], names: dict[str, _Instr] | None = None
+) -> int | None:
+    """Trip count of a while op: XLA's ``known_trip_count``; else its counter's start, step and
+    ``i < N`` bound read from the init tuple, the body and the condition (the TPU compiler's
+    windowed loops step by 2); else a ``i < N`` constant bound counted from 0 by 1."""
     # backend_config is JSON, printed bare or as an escaped string depending on the version.
     m = re.search(r"known_trip_count\W*n\W*(\d+)", instr.attrs)
     if m:
@@ -294,14 +304,78 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
     cond = re.search(r"\bcondition=%?([\w.\-]+)", instr.attrs)
     if not cond:
         return None
+    counted = _counted_loop(instr, cond.group(1), comps, names)
+    if counted is not None:
+        return counted
     # Fallback for HLO without the analysis: a condition holding exactly one integer scalar
     # constant and one "<" compare is a counter from 0 stepping by 1 (what lax.scan lowers to).
     body = _reachable(cond.group(1), comps)
-    consts = [i for i in body if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", i.shape)]
+    consts = [
+        i
+        for i in body
+        if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\](\{[^}]*\})?", i.shape)
+    ]
     compares = [i for i in body if i.opcode == "compare"]
     if len(consts) == 1 and len(compares) == 1 and "direction=LT" in compares[0].attrs:
         return int(_ints(consts[0].operands)[0])
     return None
+
+
+def _scalar(instr: _Instr | None) -> int | None:
+    """The value of an integer scalar constant."""
+    if instr is None or instr.opcode != "constant" or not re.match(r"[su]\d+\[\]", instr.shape):
+        return None
+    values = _ints(instr.operands)
+    return values[0] if len(values) == 1 else None
+
+
+def _tuple_index(instr: _Instr | None) -> int | None:
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    m = re.search(r"\bindex=(\d+)", instr.attrs)
+    return int(m.group(1)) if m else None
+
+
+def _counted_loop(
+    instr: _Instr, cond: str, comps: dict[str, list[_Instr]], names: dict[str, _Instr] | None
+) -> int | None:
+    """Trips of a loop whose condition is ``counter < N`` (or ``<=``) with a constant N, whose
+    body adds a constant step to the counter, and whose init tuple starts it at a constant."""
+    body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
+    in_cond = {i.name: i for i in comps.get(cond, [])}
+    compares = [i for i in in_cond.values() if i.opcode == "compare"]
+    if not body or len(compares) != 1:
+        return None
+    direction = re.search(r"direction=(\w+)", compares[0].attrs)
+    ops = [in_cond.get(n) for n in _names(compares[0].operands)]
+    if len(ops) != 2 or not direction or direction.group(1) not in ("LT", "LE"):
+        return None
+    k, bound = _tuple_index(ops[0]), _scalar(ops[1])
+    in_body = {i.name: i for i in comps.get(body.group(1), [])}
+    root = next((i for i in in_body.values() if i.root), None)
+    if k is None or bound is None or root is None or root.opcode != "tuple":
+        return None
+    elems = _names(root.operands)
+    update = in_body.get(elems[k]) if k < len(elems) else None
+    if update is None or update.opcode != "add":
+        return None
+    a, b = (in_body.get(n) for n in _names(update.operands))
+    counter, step = (a, _scalar(b)) if _tuple_index(a) == k else (b, _scalar(a))
+    if _tuple_index(counter) != k or not step or step < 0:
+        return None
+    if names is None:
+        names = {i.name: i for c in comps.values() for i in c}
+    init = names.get(_last_name(instr.operands))
+    if init is None or init.opcode != "tuple":
+        return None
+    start = names.get((_names(init.operands) or [""])[k] if k < len(_names(init.operands)) else "")
+    while start is not None and start.opcode in ("copy", "convert", "bitcast"):
+        start = names.get(_last_name(start.operands))
+    first = _scalar(start)
+    if first is None:
+        return None
+    last = bound if direction.group(1) == "LE" else bound - 1
+    return max(0, (last - first) // step + 1)
 
 
 def _callees(instr: _Instr) -> list[tuple[str, str]]:
@@ -326,6 +400,7 @@ def _reachable(root: str, comps: dict[str, list[_Instr]]) -> list[_Instr]:
 
 def _loop_context(comps: dict[str, list[_Instr]], entry: str | None) -> dict[str, tuple]:
     """computation -> (in_loop, executions per run or None, computation to report it under)."""
+    names = {i.name: i for c in comps.values() for i in c}
     ctx: dict[str, tuple] = {}
     todo = [(entry, False, 1, entry)] if entry else []
     while todo:
@@ -336,7 +411,7 @@ def _loop_context(comps: dict[str, list[_Instr]], entry: str | None) -> dict[str
         for instr in comps.get(name, []):
             for attr, callee in _callees(instr):
                 if instr.opcode == "while" and attr in ("body", "condition"):
-                    n = _trip_count(instr, comps)
+                    n = _trip_count(instr, comps, names)
                     total = None if n is None or trips is None else trips * n
                     todo.append((callee, True, total, callee))
                 else:
@@ -373,6 +448,13 @@ def audit_hlo(hlo_text: str, mesh: Mesh | AbstractMesh) -> list[Collective]:
     for comp, instrs in comps.items():
         # The result of an async collective is the shape of its "-done", found by operand.
         done = {_last_name(i.operands): i for i in instrs if i.opcode.endswith("-done")}
+        # TPU: a collective whose result feeds an AsyncCollectiveStart custom call runs async.
+        started = {
+            name
+            for i in instrs
+            if i.opcode == "custom-call" and '"AsyncCollectiveStart"' in i.attrs
+            for name in _names(i.operands)
+        }
         for instr in instrs:
             kind = _kind(instr.opcode)
             if kind is None:
@@ -382,10 +464,144 @@ def audit_hlo(hlo_text: str, mesh: Mesh | AbstractMesh) -> list[Collective]:
             axes, group_size = _axes_of(_replica_groups(instr.attrs, num_devices), mesh)
             in_loop, trips, report = ctx.get(comp, (False, 1, comp))
             trip_count = trips if in_loop else None
+            overlapped = instr.name in started or (
+                instr.opcode.endswith("-start")
+                and not re.search(r"is_sync\W*:\W*true", instr.attrs)
+            )
             out.append(
-                Collective(kind, dtype, nbytes, axes, group_size, report, in_loop, trip_count)
+                Collective(
+                    kind, dtype, nbytes, axes, group_size, report, in_loop, trip_count, overlapped
+                )  # fmt: skip
             )
     return out
+
+
+def _names(operands: str) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", operands)
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def hlo_flops(hlo_text: str) -> float:
+    """FLOPs per device of one run of an optimised HLO module: its dots and convolutions (inside
+    fusions too; cuBLAS GEMM custom calls), each times the trip count of the loops around it.
+    XLA's own cost analysis counts a loop body once; elementwise work is not counted here."""
+    comps, entry = _parse_module(hlo_text)
+    ctx = _loop_context(comps, entry)
+    total = 0.0
+    for comp, instrs in comps.items():
+        if comp not in ctx:
+            continue  # not reached from the entry computation
+        in_loop, trips, _ = ctx[comp]
+        runs = (trips or 1) if in_loop else 1
+        shapes = {i.name: i.shape for i in instrs}
+        for instr in instrs:
+            if instr.opcode == "dot":
+                total += runs * _dot_flops(instr, shapes)
+            elif instr.opcode == "convolution":
+                total += runs * _conv_flops(instr, shapes)
+            elif instr.opcode == "custom-call" and (
+                "$gemm" in instr.attrs or "$matmul" in instr.attrs
+            ):
+                total += runs * _gemm_flops(instr, shapes)
+    return total
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d.replace("<=", "")) for d in m.group(2).split(",") if d.strip()] if m else []
+
+
+def _attr_ints(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return _ints(m.group(1)) if m else []
+
+
+def _dot_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+    """2 x result elements x contracted elements."""
+    ops = _names(instr.operands)
+    lhs = _dims(shapes.get(ops[0], "")) if ops else []
+    contracted = int(np.prod([lhs[d] for d in _attr_ints(instr.attrs, "lhs_contracting_dims")
+                              if d < len(lhs)], dtype=np.int64))  # fmt: skip
+    return 2.0 * float(np.prod(_dims(instr.shape), dtype=np.float64)) * contracted
+
+
+def _gemm_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+    """A cuBLAS GEMM custom call: its dot dimension numbers are in the backend config."""
+    ops = _names(instr.operands)
+    lhs = _dims(shapes.get(ops[0], "")) if ops else []
+    m = re.search(r"lhs_contracting_dimensions\W*\[([^\]]*)\]", instr.attrs)
+    dims = _ints(m.group(1)) if m else []
+    contracted = int(np.prod([lhs[d] for d in dims if d < len(lhs)], dtype=np.int64))
+    result = instr.shape
+    if result.startswith("("):  # (result, workspace)
+        result = _ARRAY.search(result).group(0) if _ARRAY.search(result) else ""
+    return 2.0 * float(np.prod(_dims(result), dtype=np.float64)) * contracted
+
+
+def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+    """XLA's convolution count: 2 x (input features / feature groups) x output features x
+    (batch / batch groups) x, per spatial dimension, the (output, window) position pairs that
+    read an input element (padding and dilation holes do not count). TPU programs express most
+    matmuls as convolutions of this kind."""
+    ops = _names(instr.operands)
+    labels = re.search(r"dim_labels=([\w]+)_([\w]+)->([\w]+)", instr.attrs)
+    if len(ops) < 2 or not labels:
+        return 0.0
+    lhs, out = _dims(shapes.get(ops[0], "")), _dims(instr.shape)
+    lhs_l, _, out_l = labels.groups()
+    if len(lhs) != len(lhs_l) or len(out) != len(out_l):
+        return 0.0
+    window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+    win = dict(kv.split("=", 1) for kv in window.group(1).split()) if window else {}
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+
+    def per_dim(key: str, default: int) -> list[int]:
+        if key not in win:
+            return [default] * len(spatial)
+        return [int(v) for v in win[key].split("x")]
+
+    size, stride = per_dim("size", 1), per_dim("stride", 1)
+    base, wdil = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pads = (
+        [int(p.split("_")[0]) for p in win["pad"].split("x")]
+        if "pad" in win
+        else [0] * len(spatial)
+    )
+    fma = 1.0
+    for k, c in enumerate(spatial):
+        fma *= _valid_positions(out[out_l.index(c)], size[k], lhs[lhs_l.index(c)], stride[k],
+                                pads[k], base[k], wdil[k])  # fmt: skip
+    groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
+    batch_groups = re.search(r"batch_group_count=(\d+)", instr.attrs)
+    fma *= lhs[lhs_l.index("f")] / (int(groups.group(1)) if groups else 1)
+    fma *= out[out_l.index("f")]
+    fma *= lhs[lhs_l.index("b")] / (int(batch_groups.group(1)) if batch_groups else 1)
+    return 2.0 * fma
+
+
+def _valid_positions(out: int, size: int, inp: int, stride: int, pad: int, base: int,
+                     wdil: int) -> int:  # fmt: skip
+    """(output index, window index) pairs whose input index o*stride - pad + k*wdil lands on a
+    real element of the base-dilated input."""
+    k = np.arange(size, dtype=np.int64)
+    c = k * wdil - pad  # the input position of output 0, per window index
+    hi_u = (inp - 1) * base
+    lo = np.maximum(0, -((c) // stride))  # the first o with o*stride + c >= 0
+    hi = np.minimum(out - 1, (hi_u - c) // stride)
+    if base == 1:
+        return int(np.maximum(hi - lo + 1, 0).sum())
+    # o*stride + c must also fall on a multiple of `base`: o = o0 (mod base / gcd)
+    g = math.gcd(stride, base)
+    period = base // g
+    total = 0
+    for ci, first, last in zip(c.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        if last < first or ci % g:
+            continue
+        o0 = (-ci // g) * pow(stride // g, -1, period) % period if period > 1 else 0
+        total += (last - o0) // period - (first - 1 - o0) // period
+    return total
 
 
 def audit(compiled, mesh: Mesh | AbstractMesh) -> list[Collective]:

@@ -87,27 +87,40 @@ class Compiled:
     after: str  # the optimised HLO text, with its stack-frame tables
 
 
-def compile_captured(lowered) -> Compiled:
+def compile_captured(lowered, target=None) -> Compiled:
     """Compile `lowered` with stderr captured and the partitioner's input and the optimised
-    module dumped (XLA debug options of this one compilation: nothing global changes)."""
+    module dumped (XLA debug options of this one compilation: nothing global changes). `target`
+    (jaxpar.tools.targets.Target): lowered for its devices, compiled by its compiler; its
+    failures raise its one-line errors."""
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        compiled, err = compile_warned(lowered, options)
-        before = _read_first(dump, "*before_spmd-partitioning*.txt")
+        if target is None:
+            compiled, err = compile_warned(lowered, options)
+        else:
+            try:
+                options.update(target.options())
+                compiled, err = compile_warned(lowered, options, echo=False)
+            except Exception as e:  # noqa: BLE001 - XLA's errors are RuntimeErrors of its own
+                raise target.failure(e) from None
+        # the TPU compiler names its pass tpu-spmd-partitioning
+        before = _read_first(dump, "*before_*spmd-partitioning*.txt")
         after = _read_first(dump, "*after_optimizations.txt")
+    if target is not None:  # a target's final module (TPU: past its codegen) has the frames too
+        after = compiled.as_text()
     return Compiled(compiled, parse_warnings(err), before, after or compiled.as_text())
 
 
-def compile_warned(lowered, options: dict | None = None) -> tuple[object, str]:
-    """(compiled, stderr text of the compilation). jax's persistent cache is bypassed: a program
-    loaded from it is not partitioned again, so it would report no warnings. jax decides once per
-    process whether the cache is in use, so the decision is reset around the compilation (the
-    config switch alone has no effect after the process's first compilation)."""
+def compile_warned(lowered, options: dict | None = None, echo: bool = True) -> tuple[object, str]:
+    """(compiled, stderr text of the compilation; `echo`: also copied to the real stderr). jax's
+    persistent cache is bypassed: a program loaded from it is not partitioned again, so it would
+    report no warnings. jax decides once per process whether the cache is in use, so the decision
+    is reset around the compilation (the config switch alone has no effect after the process's
+    first compilation)."""
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-        with captured_stderr() as err:
+        with captured_stderr(echo) as err:
             compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
@@ -471,10 +484,13 @@ def candidate_changes(remats: list[Remat], session, preset: Preset) -> list[tupl
     return unique
 
 
-def verify(cfg, preset: Preset, run_dir: str, devices=None) -> tuple[Compiled, object]:
-    """Compile the train step of `cfg` on `preset` with warnings captured: (Compiled, session)."""
+def verify(cfg, preset: Preset, run_dir: str, devices=None, target=None) -> tuple[Compiled, object]:
+    """Compile the train step of `cfg` on `preset` with warnings captured: (Compiled, session).
+    `target`: for its devices (`devices` then defaults to them), by its compiler."""
+    if target is not None and devices is None:
+        devices = target.compile_devices()
     s = setup(cfg, preset, run_dir, devices=devices, create=False)
-    return compile_captured(lower_step(s)), s
+    return compile_captured(lower_step(s), target), s
 
 
 def lower_step(s):
@@ -487,15 +503,16 @@ def lower_step(s):
     return s.program.train_step.lower(s.program.abstract_state, batch)
 
 
-def propose(cfg, preset: Preset, run_dir: str, remats, session, base: Compiled, devices=None):
+def propose(cfg, preset: Preset, run_dir: str, remats, session, base: Compiled, devices=None,
+            target=None):  # fmt: skip
     """Each candidate change compiled again; the ones that remove warnings, best first."""
     wire0 = collectives.total_wire_bytes(collectives.audit(base.compiled, session.mesh))
     mem0 = collectives.memory(base.compiled)
     found = []
     for text, p in candidate_changes(remats, session, preset):
         try:
-            c, s = verify(cfg, p, run_dir, devices)
-        except ValueError:  # the change does not divide some array: not a candidate
+            c, s = verify(cfg, p, run_dir, devices, target)
+        except ValueError:  # the change does not divide some array (or does not fit the target)
             continue
         wire = collectives.total_wire_bytes(collectives.audit(c.compiled, s.mesh))
         mem = collectives.memory(c.compiled)
@@ -550,11 +567,17 @@ def _responsible(axes: tuple[str, ...], preset: Preset) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def doctor(cfg, preset: Preset, run_dir: str, devices=None, propose_fixes: bool = True) -> dict:
-    """Compile, diagnose, propose: {"remats", "proposals", "collectives"}."""
-    c, s = verify(cfg, preset, run_dir, devices)
+def doctor(cfg, preset: Preset, run_dir: str, devices=None, propose_fixes: bool = True,
+           target=None) -> dict:  # fmt: skip
+    """Compile, diagnose, propose: {"remats", "proposals", "collectives"}. `target`
+    (jaxpar.tools.targets.Target): the warnings of the target's own partitioner."""
+    c, s = verify(cfg, preset, run_dir, devices, target)
     remats = diagnose_remats(c, s, preset)
-    props = propose(cfg, preset, run_dir, remats, s, c, devices) if remats and propose_fixes else []
+    props = (
+        propose(cfg, preset, run_dir, remats, s, c, devices, target)
+        if remats and propose_fixes
+        else []
+    )
     return {
         "remats": remats, "proposals": props, "collectives": largest_collectives(c, s, preset),
         "compiled": c, "session": s,

@@ -39,6 +39,11 @@ PROFILES: dict[str, Profile] = {
     "h200x8": Profile("h200x8", 989e12, 0.45, 141 * GB, 450 * GB, 50 * GB, 15e-6, 8, 0.8, 4e-6),
     "v5e-8": Profile("v5e-8", 197e12, 0.5, 16 * GB, 200 * GB, 25 * GB, 10e-6, 8, 0.8, 1e-6),
     "v5p-32": Profile("v5p-32", 459e12, 0.5, 95 * GB, 600 * GB, 25 * GB, 10e-6, 16, 0.8, 1e-6),
+    "h100x16": Profile("h100x16", 989e12, 0.45, 80 * GB, 450 * GB, 50 * GB, 15e-6, 8, 0.8, 4e-6),
+    "a100x8": Profile("a100x8", 312e12, 0.45, 80 * GB, 300 * GB, 25 * GB, 15e-6, 8, 0.8, 4e-6),
+    "v5e-256": Profile("v5e-256", 197e12, 0.5, 16 * GB, 200 * GB, 25 * GB, 10e-6, 256, 0.8, 1e-6),
+    "v5p-128": Profile("v5p-128", 459e12, 0.5, 95 * GB, 600 * GB, 25 * GB, 10e-6, 64, 0.8, 1e-6),
+    "v6e-8": Profile("v6e-8", 918e12, 0.5, 32 * GB, 448 * GB, 25 * GB, 10e-6, 8, 0.8, 1e-6),
 }
 SOURCES: dict[str, str] = {
     "h100x8": "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 "
@@ -55,6 +60,18 @@ SOURCES: dict[str, str] = {
     "v5p-32": "Google Cloud TPU v5p documentation: 459 TFLOP/s BF16 per chip, 95 GB HBM2e, ICI "
     "4,800 Gbps per chip (600 GB/s); v5p-32 is 16 chips (32 TensorCores) on 4 hosts joined by "
     "ICI (one island); data-centre network across slices. Latency and per-kernel: as v5e.",
+    "h100x16": "two h100x8 hosts (DGX H100): per GPU as h100x8; across the hosts one 400 Gb/s "
+    "InfiniBand NIC per GPU (50 GB/s).",
+    "a100x8": "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e, NVLink 3 "
+    "600 GB/s bidirectional (300 GB/s each way); DGX A100: one 200 Gb/s HDR InfiniBand NIC per "
+    "GPU (25 GB/s). Latency, launch and efficiency: as h100x8.",
+    "v5e-256": "Google Cloud TPU v5e documentation: a full v5e pod, 256 chips joined by ICI (one "
+    "island, 16x16 torus); per chip as v5e-8.",
+    "v5p-128": "Google Cloud TPU v5p documentation: 64 chips (128 TensorCores, one device per "
+    "chip) on 16 hosts joined by ICI (one island, 4x4x4 torus); per chip as v5p-32.",
+    "v6e-8": "Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s BF16 per chip, 32 GB "
+    "HBM, ICI 3,584 Gbps per chip (448 GB/s); v6e-8 is one host of 8 chips. Latency and "
+    "per-kernel: as v5e.",
     "cpu": "measured here by jaxpar tune: a sharded matmul on every device at once (peak), an "
     "all-reduce of 4 MiB and of 4 bytes over all devices (bandwidth, latency), a chain of small "
     "matmuls (per-kernel time) and an empty program (per-step dispatch); efficiency 1 (the "

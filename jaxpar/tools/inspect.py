@@ -3,6 +3,7 @@ statistics), and the compiled step's per-device memory and collectives; nothing 
 
 jaxpar inspect --recipe gpt_tiny --mesh dp2_tp4
 jaxpar inspect --recipe gpt_tiny --mesh data=2,context=4 --json   # machine-readable figures
+jaxpar inspect --recipe gpt_350m --mesh fsdp8 --target v5e-8      # XLA's TPU compiler, here
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jaxpar.engine import attention, collectives
 from jaxpar.engine.model import STATE_KEY
 from jaxpar.engine.rules import Preset
 from jaxpar.parallel import pipeline
+from jaxpar.tools import doctor, targets
 from jaxpar.worker.training import compile_step, setup
 
 
@@ -81,15 +83,18 @@ def _is_names(x) -> bool:
     return x is None or (isinstance(x, tuple) and all(isinstance(n, str | None) for n in x))
 
 
-def _comm_lines(s, step_colls) -> list[str]:
+def _comm_lines(s, step_colls, target: targets.Target | None = None) -> list[str]:
     """Bytes over `data` per optimizer step for the communication options (comm.*)."""
     data = ("data",)
     per_step = collectives.total_wire_bytes(step_colls, data)
     lines = ["", f"## gradient communication over `data` (comm.compress={s.cfg.comm.compress})"]
     if s.program.sync_step is not None:
         h = s.program.sync_every
-        sync = s.program.sync_step.lower(s.program.abstract_state).compile()
-        sync_colls = collectives.audit(sync, s.mesh)
+        lowered = s.program.sync_step.lower(s.program.abstract_state)
+        if target is None:
+            sync_colls = collectives.audit(lowered.compile(), s.mesh)
+        else:
+            sync_colls = targets.compile_lowered(target, lowered, s.mesh).colls
         sync_bytes = collectives.total_wire_bytes(sync_colls, data)
         lines += [
             f"DiLoCo sync step (every {h} steps):", "", collectives.format_audit(sync_colls), "",
@@ -100,8 +105,9 @@ def _comm_lines(s, step_colls) -> list[str]:
     dtypes = sorted({c.dtype for c in step_colls if c.mesh_axes == data})
     lines.append(f"bytes sent over `data` per step: {per_step:,} (collective dtypes: {dtypes})")
     if s.cfg.comm.compress == "bf16" and "bf16" not in dtypes:
+        platform = target.family if target else jax.devices()[0].platform
         lines.append(
-            f"note: this backend ({jax.devices()[0].platform}) widened the bf16 collectives to "
+            f"note: this backend ({platform}) widened the bf16 collectives to "
             f"{', '.join(dtypes)}: no bytes are saved here"
         )
     return lines
@@ -114,38 +120,127 @@ def _memory_line(mem: dict) -> str:
     return f"per-device memory of the compiled step (XLA): {parts}"
 
 
-def inspect_json(cfg: TrainConfig, preset: Preset, run_dir: str) -> dict:
+def _session(cfg: TrainConfig, preset: Preset, run_dir: str, target: targets.Target | None):
+    if target is None:
+        return setup(cfg, preset, run_dir)
+    targets.check_mesh(target, preset.mesh)
+    return setup(cfg, preset, run_dir, devices=targets.devices(target), create=False)
+
+
+def _target_compile(s, target: targets.Target, with_doctor: bool):
+    """(targets.Result, the doctor's findings or None): the step compiled once by the target's
+    compiler (with the partitioner's input kept when the doctor reads it)."""
+    if not with_doctor:
+        return targets.compile_lowered(target, doctor.lower_step(s), s.mesh), None
+    import time  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    c = doctor.compile_captured(doctor.lower_step(s), target)
+    res = targets.result(target, c.compiled, c.after, time.perf_counter() - t0, c.warnings, s.mesh)
+    return res, c
+
+
+def _fit_or_raise(res: targets.Result) -> None:
+    """A CUDA program over the card's memory (its compiler does not check): one line, exit 2."""
+    t, mem = res.target, res.memory
+    if not res.fits:
+        raise targets.DoesNotFit(
+            f"does not fit on {t.name} ({t.device}): peak {_human(mem['peak'])} per device "
+            f"(arguments {_human(mem['arguments'])}, temporaries {_human(mem['temps'])}) > "
+            f"{_human(t.memory_bytes)} of device memory (jaxpar's comparison: the CUDA compiler "
+            f"does not check memory)"
+        )
+
+
+def inspect_json(cfg: TrainConfig, preset: Preset, run_dir: str, target: str | None = None) -> dict:
     """`jaxpar inspect --json`: the mesh, the parameter and state bytes, and the compiled train
     step's per-device memory (`collectives.memory`) and collectives (one row per kind, mesh
-    axes and dtype; bytes per device per step, loop ops times their trip count)."""
-    s = setup(cfg, preset, run_dir)
+    axes and dtype; bytes per device per step, loop ops times their trip count). `target`: the
+    step compiled by that target's compiler (jaxpar.tools.targets), with its FLOPs, whether it
+    fits and the partitioner's involuntary rematerializations."""
+    t = targets.get(target) if target else None
+    s = _session(cfg, preset, run_dir, t)
     rows, params_dev, state_dev = param_table(s)
-    compiled, seconds = compile_step(s)
-    colls = collectives.audit(compiled, s.mesh)
-    return {
+    if t is None:
+        compiled, seconds = compile_step(s)
+        colls, mem = collectives.audit(compiled, s.mesh), collectives.memory(compiled)
+    else:
+        res, _ = _target_compile(s, t, False)
+        _fit_or_raise(res)
+        colls, mem, seconds = res.colls, res.memory, res.seconds
+    out = {
         "recipe": cfg.name,
         "mesh": {a: int(n) for a, n in s.mesh.shape.items()},
-        "devices": jax.device_count(),
-        "platform": jax.devices()[0].platform,
+        "devices": t.devices if t else jax.device_count(),
+        "platform": t.family if t else jax.devices()[0].platform,
+        "precision_compute": cfg.precision.compute,
         "parameters": {
             "bytes_global": sum(r["bytes_global"] for r in rows),
             "bytes_per_device": params_dev,
         },
         "state_bytes_per_device": state_dev,
-        "memory": collectives.memory(compiled),
+        "memory": mem,
         "collectives": [dict(r, mesh_axes=list(r["mesh_axes"])) for r in collectives.tally(colls)],
         "compile_s": round(seconds, 3),
     }
+    if t is not None:
+        out["target"] = targets.as_dict(t)
+        out["fits"] = res.fits
+        out["flops_per_device"] = res.flops
+        out["flops_source"] = res.flops_source
+        out["overlapped_collective_bytes"] = _overlapped(colls)
+        out["involuntary_remats"] = len(res.remats)
+    return out
 
 
-def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) -> str:
-    """The inspection report as markdown text."""
-    s = setup(cfg, preset, run_dir)
+def _overlapped(colls) -> int:
+    return sum(c.bytes * c.executions for c in colls if c.overlapped)
+
+
+def _target_lines(cfg: TrainConfig, res: targets.Result) -> list[str]:
+    t, mem = res.target, res.memory
+    total = collectives.total_bytes(res.colls)
+    share = _overlapped(res.colls) / total if total else 0.0
+    check = "the TPU compiler checked it" if t.family == "tpu" else "jaxpar's comparison"
+    out = [
+        "",
+        f"target {targets.describe(t)}; precision.compute={cfg.precision.compute}",
+        f"per-device memory of the {t.name} program: " + ", ".join(
+            f"{k} {_human(mem[k])}" for k in ("arguments", "outputs", "temps", "peak")
+        ) + f"; fits in {_human(t.memory_bytes)}: {'yes' if res.fits else 'no'} ({check})",
+        f"FLOPs per device per step: {res.flops:,.0f} ({res.flops_source})",
+        f"collectives scheduled to overlap with computation: {share:.0%} of the bytes",
+        f"involuntary rematerializations (the {t.name} partitioner): {len(res.remats)}"
+        + (f" (jaxpar inspect ... --target {t.name} --doctor)" if res.remats else ""),
+    ]  # fmt: skip
+    if cfg.precision.compute != "bfloat16":
+        out.append(
+            f"note: compiled with precision.compute={cfg.precision.compute}; accelerators "
+            "usually train in bfloat16 (--set precision.compute=bfloat16)"
+        )
+    if t.family == "cuda":
+        out.append(
+            "note: CUDA compiled without the card: kernel autotuning skipped (XLA's default "
+            "kernel configurations); memory compared with the card's by jaxpar"
+        )
+    return out
+
+
+def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True,
+            target: str | None = None, with_doctor: bool = False) -> str:  # fmt: skip
+    """The inspection report as markdown text. `target`: compiled by that target's compiler for
+    its devices (jaxpar.tools.targets); `with_doctor` (with a target): the doctor's section from
+    the same compilation."""
+    t = targets.get(target) if target else None
+    s = _session(cfg, preset, run_dir, t)
     rows, params_dev, state_dev = param_table(s)
     total = sum(r["bytes_global"] for r in rows)
+    where = (
+        f"{t.devices} devices, target {t.name}" if t else
+        f"{jax.device_count()} devices, {jax.devices()[0].platform}"
+    )  # fmt: skip
     out = [
-        f"# {cfg.name} on mesh {dict(s.mesh.shape)} ({jax.device_count()} devices, "
-        f"{jax.devices()[0].platform})",
+        f"# {cfg.name} on mesh {dict(s.mesh.shape)} ({where})",
         "",
         *([w, ""] if (w := contract.unsharded_warning(s.program.param_logical)) else []),
         "| parameter | logical axes | PartitionSpec | global shape | bytes/device |",
@@ -170,14 +265,29 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True) 
         ),
         f"training state (params + optimizer + model state) per device: {_human(state_dev)}",
     ]
-    if audit:
+    found = None
+    if audit and t is not None:
+        res, c = _target_compile(s, t, with_doctor)
+        _fit_or_raise(res)
+        colls, seconds = res.colls, res.seconds
+        out += _target_lines(cfg, res)
+        if c is not None:
+            remats = doctor.diagnose_remats(c, s, preset)
+            props = (doctor.propose(cfg, preset, run_dir, remats, s, c, target=t)
+                     if remats else [])  # fmt: skip
+            found = {"remats": remats, "proposals": props,
+                     "collectives": doctor.largest_collectives(c, s, preset)}  # fmt: skip
+    elif audit:
         compiled, seconds = compile_step(s)
         colls = collectives.audit(compiled, s.mesh)
         out += ["", _memory_line(collectives.memory(compiled))]
+    if audit:
         out += ["", f"## collectives of the compiled train step (compiled in {seconds:.1f}s)", ""]
         out.append(collectives.format_audit(colls))
-        out += _comm_lines(s, colls)
+        out += _comm_lines(s, colls, t)
     if s.mesh.shape["pipeline"] > 1:
         out += pipeline.inspect_lines(cfg, s.program, colls if audit else None)
     out += attention.inspect_lines(s.program.attention, colls if audit else None)
+    if found is not None:
+        out += doctor.doctor_lines(found)
     return "\n".join(out)

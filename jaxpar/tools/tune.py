@@ -1,6 +1,7 @@
 """`jaxpar tune`: rank the layouts of N devices by a step time predicted from compiled programs.
 
     jaxpar tune --recipe gpt_tiny --devices 8 [--hardware cpu] [--measure 8] [--top 10] [--out F]
+    jaxpar tune --recipe gpt_350m --target v5e-8    # compiled by XLA's TPU compiler, here
 
 1. Enumerate: every way of writing N as a product of the mesh axes the model supports
    (jaxpar.engine.mesh.AXES; an axis no rule of the model's arrays uses is pruned with that
@@ -18,6 +19,12 @@
    backward pass up to `overlap` x compute; every other axis's traffic is on the critical path;
    a pipeline adds its bubble, (p - 1) / (m + p - 1) of the compute for the fill-drain schedules.
    A layout whose memory exceeds the profile's does not fit and ranks last.
+
+`--target NAME` (jaxpar.tools.targets): every layout is compiled by the target's own compiler
+for its devices. A layout fits when that compiler says so (TPU: it refuses a program over its
+HBM; CUDA: the peak against the card's memory); FLOPs, bytes and kernels are the target
+program's, its loops counted by their trip count, and the collectives it scheduled to overlap
+with computation hide under it (up to `overlap` x compute) whatever their axis.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from jaxpar.config import RANGES, TrainConfig, apply_overrides, validate
 from jaxpar.engine import collectives
 from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, MeshSpec, mesh_text
 from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
-from jaxpar.tools import doctor, hardware
+from jaxpar.tools import doctor, hardware, targets
 from jaxpar.worker.training import device_batch, setup
 
 REMAT_CHOICES = ("none", "dots", "block")  # the model's own check prunes the ones it lacks
@@ -63,6 +70,8 @@ class Layout:
     measured_step_s: float | None = None
     compile_s: float = 0.0
     kernels: int = 0  # kernels one step launches per device (loop bodies x trip count)
+    # --target: wire bytes per axis of the collectives its compiler overlaps with computation
+    overlapped: dict[str, float] | None = None
 
     @property
     def mesh(self) -> str:
@@ -192,27 +201,39 @@ def apply(cfg: TrainConfig, settings: dict) -> TrainConfig:
 # --------------------------------------------------------------------------- compile and predict
 
 
-def compile_layout(cfg: TrainConfig, lay: Layout, devices, run_dir: str):
+def compile_layout(cfg: TrainConfig, lay: Layout, devices, run_dir: str,
+                   target: targets.Target | None = None):  # fmt: skip
     """Compile the layout's step; fill memory, FLOPs, bytes per axis, remats. Returns
-    (session, compiled)."""
+    (session, compiled). `target`: by the target's compiler, for its devices (raises
+    targets.DoesNotFit when its compiler refuses the program for memory)."""
     preset = Preset(MeshSpec(**{a: lay.sizes.get(a, 1) for a in AXES}), PARAM_RULES, ACT_RULES)
     t0 = time.perf_counter()
     s = setup(apply(cfg, lay.settings), preset, run_dir, devices=devices, create=False)
     lowered = doctor.lower_step(s)
-    compiled, err = doctor.compile_warned(lowered)
+    floor = (s.flops_per_step or 0.0) / len(devices)  # the model's FLOPs split evenly
+    if target is not None:
+        res = targets.compile_lowered(target, lowered, s.mesh)
+        compiled, colls, hlo = res.compiled, res.colls, res.hlo
+        lay.remats = len(res.remats)
+        lay.flops = max(res.flops, floor)
+        lay.overlapped = {}
+    else:
+        compiled, err = doctor.compile_warned(lowered)
+        colls, hlo = collectives.audit(compiled, s.mesh), compiled.as_text()
+        lay.remats = len(doctor.parse_warnings(err))
+        cost = compiled.cost_analysis()
+        cost = (cost[0] if isinstance(cost, list) else cost) or {}
+        # Cost analysis counts a loop body once: the model's FLOPs split evenly are a floor.
+        lay.flops = max(float(cost.get("flops", 0.0)), floor)
     lay.compile_s = time.perf_counter() - t0
-    lay.remats = len(doctor.parse_warnings(err))
-    lay.kernels = kernel_count(compiled.as_text())
+    lay.kernels = kernel_count(hlo)
     lay.memory = collectives.memory(compiled)
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}
-    # Cost analysis counts a loop body once: the model's FLOPs split evenly are a floor.
-    floor = (s.flops_per_step or 0.0) / len(devices)
-    lay.flops = max(float(cost.get("flops", 0.0)), floor)
-    for c in collectives.audit(compiled, s.mesh):
+    for c in colls:
         key = ",".join(c.mesh_axes) or "-"
         lay.axis_bytes[key] = lay.axis_bytes.get(key, 0.0) + c.wire_bytes * c.executions
         lay.axis_count[key] = lay.axis_count.get(key, 0) + c.executions
+        if lay.overlapped is not None and c.overlapped:
+            lay.overlapped[key] = lay.overlapped.get(key, 0.0) + c.wire_bytes * c.executions
     return s, compiled
 
 
@@ -273,8 +294,9 @@ def crosses_hosts(axis: str, sizes: dict[str, int], island: int) -> bool:
     return inner > island
 
 
-def predict(lay: Layout, prof: hardware.Profile) -> None:
-    """Step time, its split, the bottleneck and a one-line reason (overlap rule: module doc)."""
+def predict(lay: Layout, prof: hardware.Profile, memory_bytes: float | None = None) -> None:
+    """Step time, its split, the bottleneck and a one-line reason (overlap rule: module doc).
+    `memory_bytes`: the device memory a layout must fit (default: the profile's)."""
     compute = lay.flops / (prof.peak_flops * prof.efficiency)
     split = {"compute": compute}
     if prof.op_s or prof.step_s:
@@ -290,10 +312,13 @@ def predict(lay: Layout, prof: hardware.Profile) -> None:
         )
         t = wire / bw + lay.axis_count.get(key, 0) * prof.latency_s
         split[f"comm:{key}"] = t
-        if set(axes) <= set(BATCH_AXES):
-            hide = min(t, hidden_budget)
-            hidden_budget -= hide
-            t -= hide
+        if lay.overlapped is not None:  # a target's program: what its compiler overlaps
+            hideable = t * lay.overlapped.get(key, 0.0) / wire if wire else 0.0
+        else:
+            hideable = t if set(axes) <= set(BATCH_AXES) else 0.0
+        hide = min(hideable, hidden_budget)
+        hidden_budget -= hide
+        t -= hide
         exposed += t
     p = lay.sizes.get(PIPELINE, 1)
     bubble = 0.0
@@ -308,12 +333,12 @@ def predict(lay: Layout, prof: hardware.Profile) -> None:
         split["bubble"] = bubble
     lay.split = split
     lay.predicted_step_s = compute + exposed + bubble + split.get("overhead", 0.0)
-    lay.fits = (lay.memory.get("peak") or 0) <= prof.memory_bytes
+    lay.fits = (lay.memory.get("peak") or 0) <= (memory_bytes or prof.memory_bytes)
     parts = {k: v for k, v in split.items()}
     top = max(parts, key=parts.get)
     if not lay.fits:
         lay.bottleneck = "memory"
-        lay.reason = f"needs {_gib(lay.memory['peak'])} per device, {prof.name} has {_gib(prof.memory_bytes)}"
+        lay.reason = f"needs {_gib(lay.memory['peak'])} per device, {prof.name} has {_gib(memory_bytes or prof.memory_bytes)}"
     elif top == "compute":
         lay.bottleneck = "compute"
         lay.reason = f"{lay.flops / 1e9:.2f} GFLOP per device; communication {sum(v for k, v in split.items() if k.startswith('comm')) * 1e3:.2f} ms"
@@ -392,11 +417,33 @@ def measure_picks(ranked: list[Layout], k: int) -> list[Layout]:
 # --------------------------------------------------------------------------- the command
 
 
-def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: int = 0,
-         top: int = 10, out: str | None = None, log=print, axes: list[str] | None = None,
-         ) -> dict:  # fmt: skip
-    """Enumerate, compile, predict, (measure), print and return the result dict."""
-    if devices < 1 or devices > jax.device_count():
+def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = "cpu",
+         measure_k: int = 0, top: int = 10, out: str | None = None, log=print,
+         axes: list[str] | None = None, target: str | None = None) -> dict:  # fmt: skip
+    """Enumerate, compile, predict, (measure), print and return the result dict. `target`: every
+    layout compiled by that target's compiler for its devices, predicted on its profile."""
+    t = targets.get(target) if target is not None else None
+    if t is not None:
+        if hardware_name not in (None, t.name):
+            raise ValueError(
+                f"--hardware {hardware_name} with --target {t.name}: a target is predicted on its "
+                "own profile; drop --hardware"
+            )
+        if devices is not None and devices != t.devices:
+            raise ValueError(
+                f"--devices {devices}: target {t.name} has {t.devices} devices; drop --devices "
+                f"or give {t.devices}"
+            )
+        if measure_k:
+            raise ValueError(
+                f"--measure runs layouts on this machine's devices, not on {t.name}'s; drop it "
+                "(measure with --hardware cpu)"
+            )
+        devices, hardware_name = t.devices, t.name
+    elif devices is None:
+        raise ValueError("--devices: give the number of devices to lay out (or --target NAME)")
+    hardware_name = hardware_name or "cpu"
+    if t is None and (devices < 1 or devices > jax.device_count()):
         raise ValueError(
             f"--devices {devices}: this machine has {jax.device_count()} devices; use 1.."
             f"{jax.device_count()} (more simulated CPU devices: XLA_FLAGS="
@@ -412,10 +459,10 @@ def tune(cfg: TrainConfig, devices: int, hardware_name: str = "cpu", measure_k: 
     if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ValueError(f"--out {out}: its folder does not exist; create it or pick another path")
     t_start = time.perf_counter()
-    devs = jax.devices()[:devices]
+    devs = targets.devices(t) if t is not None else jax.devices()[:devices]
     prof = hardware.get(hardware_name, devices)
     with tempfile.TemporaryDirectory() as tmp:
-        result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes)
+        result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes, t)
     result["wall_s"] = time.perf_counter() - t_start
     if out:
         with open(out, "w") as f:
@@ -442,8 +489,10 @@ def _probe(cfg, devs, run_dir):
     return probe
 
 
-def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None) -> dict:
+def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None) -> dict:
     n = len(devs)
+    # CUDA: jaxpar compares the peak with the card; TPU: its compiler has already refused
+    limit = None if target is None else target.memory_bytes if target.family == "cuda" else math.inf
     axes, pruned_axes = (
         supported_axes(cfg, _probe(cfg, devs, tmp), only) if n > 1 else (["data"], {})
     )
@@ -460,19 +509,31 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None) -> dict:
         why = check_layout(cfg, sizes, settings)
         if why is None:
             try:
-                sessions[id(lay)] = compile_layout(cfg, lay, devs, tmp)
+                sessions[id(lay)] = compile_layout(cfg, lay, devs, tmp, target)
+            except targets.DoesNotFit as e:  # the target's compiler refused it: ranks last
+                refused(lay, str(e))
+                return lay
             except ValueError as e:
                 why = str(e).split("\n")[0]
         if why is not None:
             pruned.append({"mesh": lay.mesh, "settings": settings, "reason": why})
             return None
-        predict(lay, prof)
+        predict(lay, prof, limit)
         layouts.append(lay)
         log(f"  compiled {lay.label():60s} {lay.compile_s:5.1f}s  predicted "
             f"{lay.predicted_step_s * 1e3:8.2f} ms")  # fmt: skip
         return lay
 
+    def refused(lay: Layout, line: str) -> None:
+        lay.fits, lay.bottleneck, lay.reason = False, "memory", line
+        lay.memory = {"peak": targets.oom_bytes(line) or 0}
+        layouts.append(lay)
+        log(f"  compiled {lay.label():60s} does not fit: {line}")
+
     log(f"# jaxpar tune: {cfg.name} on {n} devices, profile {prof.name}")
+    if target is not None:
+        log(f"compiled for {targets.describe(target)}; precision.compute="
+            f"{cfg.precision.compute}")  # fmt: skip
     log(
         f"axes: {', '.join(axes)}"
         + (f" (pruned: {'; '.join(pruned_axes.values())})" if pruned_axes else "")
@@ -501,9 +562,11 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None) -> dict:
             skipped += len(variants)
     ranked = sorted(layouts, key=_key)
     if not any(x.fits for x in ranked):
-        raise ValueError(no_fit_message(cfg, ranked, prof))
+        raise ValueError(no_fit_message(cfg, ranked, prof, target))
     result: dict = {
         "recipe": cfg.name, "devices": n, "hardware": prof.as_dict(),
+        "target": targets.as_dict(target) if target is not None else None,
+        "precision_compute": cfg.precision.compute,
         "hardware_source": hardware.SOURCES.get(prof.name, ""),
         "overlap_rule": "batch-axis (data, fsdp) traffic hides under overlap x compute; other "
         "axes are exposed; pipelines add (p-1)/(v*m+p-1) x compute; kernels x per-kernel time "
@@ -569,13 +632,17 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def no_fit_message(cfg: TrainConfig, ranked: list[Layout], prof: hardware.Profile) -> str:
+def no_fit_message(cfg: TrainConfig, ranked: list[Layout], prof: hardware.Profile,
+                   target: targets.Target | None = None) -> str:  # fmt: skip
     """One line: the smallest memory any layout needed, and what would make it fit."""
-    small = min(ranked, key=lambda x: x.memory.get("peak") or 0)
+    small = min(ranked, key=lambda x: x.memory.get("peak") or math.inf)
+    memory = target.memory_bytes if target is not None else prof.memory_bytes
+    peak = small.memory.get("peak") or 0
+    needs = f"{_gib(peak)} per device" if peak else f"more than {_gib(memory)} ({small.reason})"
     return (
         f"{cfg.name} fits no layout of {math.prod(small.sizes.values())} "
-        f"devices on {prof.name}: the smallest is {_gib(small.memory.get('peak') or 0)} per device "
-        f"({small.label()}) against {_gib(prof.memory_bytes)}; use more devices, "
+        f"devices on {prof.name}: the smallest is {needs} "
+        f"({small.label()}) against {_gib(memory)}; use more devices, "
         f"model.remat=block, a smaller data.global_batch or a smaller model"
     )
 

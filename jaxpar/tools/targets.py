@@ -31,6 +31,7 @@ from functools import partial
 from jaxpar.engine import collectives
 
 ENV_PACKAGES = "JAXPAR_TARGET_PACKAGES"
+TPU_LOG_LEVEL = "TPU_STDERR_LOG_LEVEL"  # 1: libtpu's warnings reach stderr (0 info, 2 errors)
 EXTRA = {"tpu": "tpu-aot", "cuda": "cuda-aot"}
 GB = 10**9
 GIB = 2**30
@@ -270,6 +271,10 @@ def _tpu_devices(t: Target) -> list:
         path = locate(*_PACKAGES["tpu"])
         if path is None:
             raise _missing(t, "XLA's TPU compiler (libtpu)")
+        # libtpu logs only errors to stderr unless told otherwise, and the SPMD partitioner's
+        # involuntary rematerializations (what the doctor reads) are warnings. libtpu reads this
+        # from the environment once, as it loads; a level the user set is left as it is.
+        os.environ.setdefault(TPU_LOG_LEVEL, "1")
         xla_client.load_pjrt_plugin_dynamically("tpu", path)
     # libtpu looks for TPU chips and hosts when it starts and logs what it does not find here
     try:

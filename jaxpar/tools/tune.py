@@ -417,7 +417,7 @@ def measure_picks(ranked: list[Layout], k: int) -> list[Layout]:
 # --------------------------------------------------------------------------- the command
 
 
-def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = "cpu",
+def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = None,
          measure_k: int = 0, top: int = 10, out: str | None = None, log=print,
          axes: list[str] | None = None, target: str | None = None) -> dict:  # fmt: skip
     """Enumerate, compile, predict, (measure), print and return the result dict. `target`: every

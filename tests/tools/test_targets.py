@@ -106,6 +106,23 @@ def test_cuda_compile_reports_memory_flops_collectives_and_the_doctor(cuda):
     assert "## doctor: SPMD partitioner warnings" in cuda and "no involuntary" in cuda
 
 
+def test_the_doctor_reads_the_tpu_partitioners_rematerializations(tmp_path):
+    """gpt_tiny's token table split over fsdp by its `embed` columns while fsdp also splits the
+    batch: the TPU compiler's own partitioner warns (libtpu logs it only at warning level), and
+    the doctor maps it to the array, the model's line and the rules."""
+    _need("tpu")
+    from jaxpar.tools import doctor
+
+    cfg = validate(apply_overrides(resolve_recipe("gpt_tiny"), ["model.n_layers=1"]))
+    found = doctor.doctor(cfg, jaxpar.preset("data=2,fsdp=2,tensor=2"), str(tmp_path),
+                          propose_fixes=False, target=targets.get("v5e-8"))  # fmt: skip
+    remats = found["remats"]
+    assert remats, "the TPU partitioner's warnings were not read"
+    first = remats[0]
+    assert first.arrays[0][0] == "['params']['tok_emb']" and "models/gpt.py" in first.source
+    assert any("('embed', 'fsdp')" in rule for rule in first.rules)
+
+
 def test_the_tpu_compiler_refuses_a_program_over_hbm_in_one_line(capsys):
     """A replicated 64k x 64k layer (16 GiB of float32 before its gradient and Adam moments):
     the compiler's own line and the bytes it needed, exit 2, no traceback."""

@@ -336,6 +336,13 @@ def _tuple_index(instr: _Instr | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _through_copies(instr: _Instr | None, names: dict[str, _Instr]) -> _Instr | None:
+    """The instruction a chain of copies, converts and bitcasts starts from."""
+    while instr is not None and instr.opcode in ("copy", "convert", "bitcast"):
+        instr = names.get(_last_name(instr.operands))
+    return instr
+
+
 def _counted_loop(
     instr: _Instr, cond: str, comps: dict[str, list[_Instr]], names: dict[str, _Instr] | None
 ) -> int | None:
@@ -359,19 +366,17 @@ def _counted_loop(
     update = in_body.get(elems[k]) if k < len(elems) else None
     if update is None or update.opcode != "add":
         return None
-    a, b = (in_body.get(n) for n in _names(update.operands))
+    a, b = (_through_copies(in_body.get(n), in_body) for n in _names(update.operands))
     counter, step = (a, _scalar(b)) if _tuple_index(a) == k else (b, _scalar(a))
     if _tuple_index(counter) != k or not step or step < 0:
         return None
     if names is None:
         names = {i.name: i for c in comps.values() for i in c}
     init = names.get(_last_name(instr.operands))
-    if init is None or init.opcode != "tuple":
+    elems = _names(init.operands) if init is not None and init.opcode == "tuple" else []
+    if k >= len(elems):
         return None
-    start = names.get((_names(init.operands) or [""])[k] if k < len(_names(init.operands)) else "")
-    while start is not None and start.opcode in ("copy", "convert", "bitcast"):
-        start = names.get(_last_name(start.operands))
-    first = _scalar(start)
+    first = _scalar(_through_copies(names.get(elems[k]), names))
     if first is None:
         return None
     last = bound if direction.group(1) == "LE" else bound - 1

@@ -528,7 +528,7 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None) -> d
         lay.fits, lay.bottleneck, lay.reason = False, "memory", line
         lay.memory = {"peak": targets.oom_bytes(line) or 0}
         layouts.append(lay)
-        log(f"  compiled {lay.label():60s} does not fit: {line}")
+        log(f"  compiled {lay.label():60s} {line}")
 
     log(f"# jaxpar tune: {cfg.name} on {n} devices, profile {prof.name}")
     if target is not None:

@@ -137,6 +137,19 @@ def test_the_tpu_compiler_refuses_a_program_over_hbm_in_one_line(capsys):
     assert targets.oom_bytes(lines[0]) > 16 * 2**30
 
 
+def test_a_cuda_program_over_the_cards_memory_is_refused_in_one_line(capsys):
+    """The CUDA compiler does not check memory: jaxpar compares the peak with the card's."""
+    _need("cuda")
+    argv = ["inspect", "--recipe", "digits_mlp", "--mesh", "data=8", "--set",
+            "model.hidden=131072", "--target", "h100x8"]  # fmt: skip
+    assert call(cli.main, argv) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: does not fit on h100x8 (NVIDIA H100 SXM 80GB): peak ")
+    assert "> 79.11 GiB of device memory (jaxpar's comparison" in lines[0]
+
+
 def test_tune_on_a_target_ranks_the_targets_programs(tmp_path):
     _need("tpu")
     out = str(tmp_path / "tune.json")
@@ -253,8 +266,9 @@ ENTRY %main (a: f32[128,512], l: f32[8,64,2], r: f32[8,2,64], g: f32[32,16], h: 
 
 
 def test_a_loop_whose_counter_steps_by_two_runs_half_its_bound():
-    """The TPU compiler's windowed matmul loops count i = 0, 2 while i < 4: two trips (no
-    known_trip_count in its backend config); the bound alone would say four."""
+    """The TPU compiler's windowed matmul loops count i = 0, 2 while i < 4 (the counter through
+    a copy, the start a copy of a constant): two trips (no known_trip_count in its backend
+    config); the bound alone would say four."""
     hlo = """HloModule m
 
 %body (p: (u32[], f32[64,64])) -> (u32[], f32[64,64]) {
@@ -263,7 +277,8 @@ def test_a_loop_whose_counter_steps_by_two_runs_half_its_bound():
   %d = f32[64,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %i = u32[]{:T(128)} get-tuple-element(%p), index=0
   %two = u32[]{:T(128)} constant(2)
-  %next = u32[]{:T(128)} add(%i, %two)
+  %ci = u32[]{:T(128)} copy(%i)
+  %next = u32[]{:T(128)} add(%ci, %two)
   ROOT %t = (u32[], f32[64,64]) tuple(%next, %d)
 }
 

@@ -69,6 +69,15 @@ def cuda(tmp_path_factory):
     return inspect(_mlp(), jaxpar.preset(MESH), tmp, target="h100x8", with_doctor=True)
 
 
+def _one_line(capsys, argv: list[str]) -> str:
+    """A command line that stops with one line on stderr and exit 2: that line."""
+    code = call(cli.main, argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, f"{argv}: {code}\n{err}"
+    return lines[0]
+
+
 def _dot_flops() -> float:
     """The MLP's matmul FLOPs per step per device: forward, and backward's weight and input
     gradients but the first layer's input gradient (the batch is data, not a parameter). The
@@ -127,27 +136,19 @@ def test_the_tpu_compiler_refuses_a_program_over_hbm_in_one_line(capsys):
     """A replicated 64k x 64k layer (16 GiB of float32 before its gradient and Adam moments):
     the compiler's own line and the bytes it needed, exit 2, no traceback."""
     _need("tpu")
-    argv = ["inspect", "--recipe", "digits_mlp", "--mesh", "data=8", "--set",
-            "model.hidden=65536", "--target", "v5e-8"]  # fmt: skip
-    assert call(cli.main, argv) == 2
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: does not fit on v5e-8 (TPU v5e): RESOURCE_EXHAUSTED")
-    assert targets.oom_bytes(lines[0]) > 16 * 2**30
+    line = _one_line(capsys, ["inspect", "--recipe", "digits_mlp", "--mesh", "data=8", "--set",
+                              "model.hidden=65536", "--target", "v5e-8"])  # fmt: skip
+    assert line.startswith("error: does not fit on v5e-8 (TPU v5e): RESOURCE_EXHAUSTED")
+    assert targets.oom_bytes(line) > 16 * 2**30
 
 
 def test_a_cuda_program_over_the_cards_memory_is_refused_in_one_line(capsys):
     """The CUDA compiler does not check memory: jaxpar compares the peak with the card's."""
     _need("cuda")
-    argv = ["inspect", "--recipe", "digits_mlp", "--mesh", "data=8", "--set",
-            "model.hidden=131072", "--target", "h100x8"]  # fmt: skip
-    assert call(cli.main, argv) == 2
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: does not fit on h100x8 (NVIDIA H100 SXM 80GB): peak ")
-    assert "> 79.11 GiB of device memory (jaxpar's comparison" in lines[0]
+    line = _one_line(capsys, ["inspect", "--recipe", "digits_mlp", "--mesh", "data=8", "--set",
+                              "model.hidden=131072", "--target", "h100x8"])  # fmt: skip
+    assert line.startswith("error: does not fit on h100x8 (NVIDIA H100 SXM 80GB): peak ")
+    assert "> 79.11 GiB of device memory (jaxpar's comparison" in line
 
 
 def test_tune_on_a_target_ranks_the_targets_programs(tmp_path):
@@ -164,14 +165,6 @@ def test_tune_on_a_target_ranks_the_targets_programs(tmp_path):
 
 
 # --------------------------------------------------------------------------- bad input
-
-
-def _one_line(capsys, argv: list[str]) -> str:
-    code = call(cli.main, argv)
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, f"{argv}: {code}\n{err}"
-    return lines[0]
 
 
 def test_an_unknown_target_lists_the_known_ones(capsys):

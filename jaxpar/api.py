@@ -157,7 +157,7 @@ def build(cfg: Any, mesh: Any = None, *, devices: Sequence | None = None) -> Job
     validate_rules(layout.acts)
     m = make_mesh(layout.mesh, list(devices) if devices is not None else None)
     source = make_source(cfg)
-    gcfg = groups.group_cfg(cfg)  # under `jaxpar launch --groups`: a group's share of the batch
+    gcfg = groups.group_cfg(cfg, m)  # under `jaxpar launch --groups`: a group's share of the batch
     spec = data_lib.batch_spec(source, gcfg.data.global_batch)
     program = build_program(gcfg, m, layout.params, layout.acts, spec, source.kind)
     raw = program.train_step

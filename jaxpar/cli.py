@@ -212,8 +212,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         target = targets.get(args.target)  # an unknown name: one line before anything is built
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     preset = _layout(args.mesh, cfg.mesh)
-    if args.json and args.no_audit:
-        raise ValueError("--json reports the compiled step's figures: drop --no-audit")
+    for flag, what in (("json", "reports the compiled step's figures"),
+                       ("doctor", "reads the compiled step's partitioning")):  # fmt: skip
+        if getattr(args, flag) and args.no_audit:  # both compile the step: contradictory
+            raise ValueError(f"--{flag} {what}: drop --no-audit")
     # With a target the doctor reads the report's own compilation (one compile by its compiler)
     doctor_inside = args.doctor and target is not None and not args.json and not args.no_audit
     with tempfile.TemporaryDirectory() as tmp:

@@ -639,8 +639,16 @@ def memory(compiled) -> dict[str, int | None]:
     return out
 
 
+# A row whose groups are single devices (mesh_axes ()): what it says, in the report and the JSON
+TRIVIAL_NOTE = (
+    "groups of one device: no data moves (a reduction over mesh axes of size 1 that XLA kept, "
+    "e.g. from the transpose of a shard_map psum)"
+)
+
+
 def tally(colls: Iterable[Collective]) -> list[dict]:
-    """Totals per (kind, mesh_axes, dtype), largest bytes first.
+    """Totals per (kind, mesh_axes, dtype), largest bytes first; a row of single-device groups
+    carries ``note`` (TRIVIAL_NOTE).
 
     Loop ops count ``trip_count`` times when it is known, once otherwise.
     """
@@ -654,6 +662,8 @@ def tally(colls: Iterable[Collective]) -> list[dict]:
         row["count"] += c.executions
         row["bytes"] += c.bytes * c.executions
         row["wire_bytes"] += round(c.wire_bytes * c.executions)
+        if not c.mesh_axes:
+            row["note"] = TRIVIAL_NOTE
     return sorted(
         rows.values(), key=lambda r: (-r["bytes"], KINDS.index(r["kind"]), r["mesh_axes"])
     )
@@ -702,6 +712,8 @@ def format_audit(colls: Iterable[Collective]) -> str:
     wire = total_wire_bytes(colls)
     lines.append(f"\nTotal: {_human(total)} per device ({total:,} bytes).")
     lines.append(f"Sent per device (ring/pairwise algorithms): {wire:,} bytes.")
+    if any(not c.mesh_axes for c in colls):
+        lines.append(f"Mesh axes -: {TRIVIAL_NOTE}.")
     unknown = sum(1 for c in colls if c.in_loop and c.trip_count is None)
     if unknown:
         lines.append(f"{unknown} op(s) in loops of unknown trip count are counted once.")

@@ -28,11 +28,11 @@ from jaxpar.hf import config as hf_config
 from jaxpar.hf import load as hf_load
 from jaxpar.hf import names as hf_names
 from jaxpar.hf import tensors
+from jaxpar.rundir.ownership import under_system_dir
 
 DEFAULT_SHARD_BYTES = 2 << 30
 MAX_TOKENIZER_BYTES = 256 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
 
@@ -56,11 +56,10 @@ def parse_size(text: str) -> int:
 def check_out(out: str, force: bool = False) -> None:
     """Refuse an output folder that cannot be written or would replace an earlier export without
     `force` (ValueError naming the fix); nothing is written."""
-    real = os.path.realpath(out)
-    for system in _SYSTEM_DIRS:
-        if real == system or real.startswith(system + os.sep):
-            raise ValueError(f"--out {out} is under {system}, a kernel filesystem; write to a "
-                             f"normal disk, e.g. --out exports/NAME")  # fmt: skip
+    system = under_system_dir(out)
+    if system is not None:
+        raise ValueError(f"--out {out} is under {system}, a kernel filesystem; write to a "
+                         f"normal disk, e.g. --out exports/NAME")  # fmt: skip
     if os.path.lexists(out) and not force:
         raise ValueError(
             f"--out {out} exists; pass --force to replace it, or choose another folder"

@@ -792,6 +792,24 @@ def balanced_split(num_layers: int, stages: int, block: float, embed: float, hea
     return best[(0, n)][1]
 
 
+def inspect_dict(cfg: TrainConfig, program: Any) -> dict:
+    """`jaxpar inspect --json`'s pipeline section: the schedule as it runs (kind, stages p,
+    microbatches m, repeats v, ticks, predicted bubble) and each stage's layers and FLOPs."""
+    parts = model_parts(program.graphdef, program.param_template)
+    sched = make_schedule(cfg.pipeline, program.mesh.shape[AXIS], parts.num_layers)
+    table = stage_table(cfg, program, _flops(cfg, parts))
+    return {
+        "schedule": sched.kind,
+        "stages": sched.stages,
+        "microbatches": sched.microbatches,
+        "repeats": sched.repeats,
+        "ticks": sched.ticks,
+        "bubble": round(sched.bubble, 6),
+        "stage_layers": [len(r["layers"]) for r in table],
+        "stage_train_flops": [r["train_flops"] for r in table],
+    }
+
+
 def inspect_lines(cfg: TrainConfig, program: Any, colls: Iterable | None = None) -> list[str]:
     """Markdown lines for `jaxpar inspect`: stages, bytes, FLOPs, ticks, bubble, permutes.
 

@@ -70,6 +70,29 @@ def check_path(run_dir: str, option: str = "--run-dir") -> str:
     return path
 
 
+def check_file_path(out: str, option: str = "--out") -> str:
+    """Refuse an output file that cannot be written (ValueError naming `option` and the fix): under
+    a kernel filesystem, an existing folder, or under a file or an unwritable folder. Nothing is
+    created; the folders missing above it may be. Returns the absolute path."""
+    system = under_system_dir(out)
+    if system is not None:
+        raise ValueError(
+            f"{option} {out} is under {system}, a kernel filesystem; write to a normal disk, "
+            f"e.g. {option} results/NAME"
+        )
+    if os.path.isdir(out):
+        raise ValueError(f"{option} {out} is a folder; name a file in it, e.g. {option} "
+                         f"{os.path.join(out, 'NAME')}")  # fmt: skip
+    probe = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{option} {out}: {probe} is a file, not a folder; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {out}: {probe} is not writable; choose another folder")
+    return os.path.abspath(out)
+
+
 def check_owner(run_dir: str) -> None:
     """Refuse (ForeignRunDir, naming the fix) a run directory whose folder, lock file or
     checkpoints/ another user owns, unless $JAXPAR_FOREIGN_RUN_DIR is 1: that user could swap

@@ -25,11 +25,11 @@ import numpy as np
 
 from jaxpar.config import TrainConfig, to_dict
 from jaxpar.engine.model import STATE_KEY
+from jaxpar.rundir.ownership import check_file_path
 from jaxpar.rundir.runlog import read_json_object
 from jaxpar.tools import finished_run
 
 FORMAT = "jaxpar-params"
-_SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 _HEADER_BYTES = 8  # a safetensors file: u64 header length, JSON header, then the data
 _HEADER_PER_TENSOR = 512  # bound on a tensor's header entry (its name is a path in the model)
 
@@ -51,20 +51,7 @@ def check_out(out: str, force: bool = False) -> None:
     `force` (ValueError naming the fix); nothing is read or written."""
     if not out.endswith(".safetensors"):
         raise ValueError(f"--out {out}: name the file NAME.safetensors")
-    real = os.path.realpath(out)
-    for system in _SYSTEM_DIRS:
-        if real == system or real.startswith(system + os.sep):
-            raise ValueError(
-                f"--out {out} is under {system}, a kernel filesystem; write to a normal disk, "
-                "e.g. --out exports/NAME.safetensors"
-            )
-    probe = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise ValueError(f"--out {out}: {probe} is a file, not a folder; choose another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {probe} is not writable; choose another folder")
+    check_file_path(out)
     for path in (out, config_path(out)):
         if os.path.isdir(path):
             raise ValueError(f"--out {out}: {path} is a folder; choose another name")

@@ -183,6 +183,12 @@ def inspect_json(cfg: TrainConfig, preset: Preset, run_dir: str, target: str | N
         "collectives": [dict(r, mesh_axes=list(r["mesh_axes"])) for r in collectives.tally(colls)],
         "compile_s": round(seconds, 3),
     }
+    if s.mesh.shape["pipeline"] > 1:
+        out["pipeline"] = pipeline.inspect_dict(cfg, s.program)
+    if s.program.attention:  # the sequence split over `context`: the kernels and the ring
+        out["context"] = {"attention": sorted({impl for impl, _ in s.program.attention}),
+                          "ring": s.program.attention[0][1],
+                          "calls_per_forward": len(s.program.attention)}  # fmt: skip
     if t is not None:
         out["target"] = targets.as_dict(t)
         out["fits"] = res.fits

@@ -44,6 +44,7 @@ from jaxpar.config import RANGES, TrainConfig, apply_overrides, validate
 from jaxpar.engine import collectives
 from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, MeshSpec, mesh_text
 from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
+from jaxpar.rundir.ownership import check_file_path
 from jaxpar.tools import doctor, hardware, targets
 from jaxpar.worker.training import device_batch, setup
 
@@ -456,8 +457,9 @@ def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = None
         raise ValueError(
             f"unknown hardware profile {hardware_name!r}; use one of {', '.join(hardware.names())}"
         )
-    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ValueError(f"--out {out}: its folder does not exist; create it or pick another path")
+    if out:  # before minutes of compiling: a result that cannot be written is refused now
+        for path in (out, os.path.splitext(out)[0] + ".png"):
+            check_file_path(path)
     t_start = time.perf_counter()
     devs = targets.devices(t) if t is not None else jax.devices()[:devices]
     prof = hardware.get(hardware_name, devices)
@@ -465,6 +467,7 @@ def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = None
         result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes, t)
     result["wall_s"] = time.perf_counter() - t_start
     if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=1, default=str)
         png = os.path.splitext(out)[0] + ".png"

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import TrainConfig
+from jaxpar.engine.mesh import batch_parallel_size
 from jaxpar.worker import group_layout, group_wire
 from jaxpar.worker.group_wire import WireError
 
@@ -52,8 +53,9 @@ def group_count() -> int:
     return env["groups"] if env else 1
 
 
-def group_cfg(cfg: TrainConfig) -> TrainConfig:
-    """The config one group's program is built for: its share of the global batch."""
+def group_cfg(cfg: TrainConfig, mesh: Any = None) -> TrainConfig:
+    """The config one group's program is built for: its share of the global batch. `mesh`
+    (a group's): its share must also split over the group's batch axes, said in the job's terms."""
     r = group_count()
     if r == 1:
         return cfg
@@ -62,6 +64,15 @@ def group_cfg(cfg: TrainConfig) -> TrainConfig:
             f"data.global_batch={cfg.data.global_batch} is not divisible by --groups {r}; set "
             f"--set data.global_batch to a multiple of {r}"
         )
+    if mesh is not None:
+        ways = batch_parallel_size(mesh)
+        share = cfg.data.global_batch // r
+        if share % ways:
+            raise ValueError(
+                f"data.global_batch={cfg.data.global_batch} over --groups {r} is {share} rows "
+                f"per group, not divisible by a group's data-parallel size {ways}; set --set "
+                f"data.global_batch to a multiple of {r * ways}"
+            )
     data = dataclasses.replace(cfg.data, global_batch=cfg.data.global_batch // r)
     ckpt = dataclasses.replace(cfg.ckpt, local_every=0)  # the peer group holds the live state
     return dataclasses.replace(cfg, data=data, ckpt=ckpt)

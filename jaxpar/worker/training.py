@@ -172,7 +172,7 @@ def setup(
     mesh = make_mesh(preset.mesh, devices)
     source = make_source(cfg)
     check_vocab(cfg, source)
-    gcfg = groups.group_cfg(cfg)  # a replica group's share of the batch (else cfg itself)
+    gcfg = groups.group_cfg(cfg, mesh)  # a replica group's share of the batch (else cfg itself)
     spec = data_lib.batch_spec(source, gcfg.data.global_batch)
     program = build_program(gcfg, mesh, preset.params, preset.acts, spec, source.kind)
     run = RunDir(run_dir, groups.run_process_index(), incarnation, create=False)

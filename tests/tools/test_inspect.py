@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import jaxpar
 from jaxpar.tools.inspect import inspect
 from tests.support import export_models as em
@@ -51,8 +53,37 @@ def test_inspect_json_reports_the_compiled_steps_memory_and_collectives(tmp_path
     assert any(c["kind"] == "all-gather" and c["mesh_axes"] == ["fsdp"] for c in fs["collectives"])
 
 
-def test_inspect_json_refuses_no_audit(capsys):
+@pytest.mark.parametrize("flag", ["--json", "--doctor"])
+def test_inspect_refuses_no_audit_with_what_compiles(capsys, flag):
+    """--json and --doctor both read the compiled step: with --no-audit, one line, nothing built."""
     from jaxpar import cli
 
-    assert cli.main(["inspect", "--json", "--no-audit"]) == 2
-    assert "drop --no-audit" in capsys.readouterr().err
+    assert cli.main(["inspect", flag, "--no-audit"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} " in err and "drop --no-audit" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_inspect_json_of_pipeline_and_context_layouts_says_how_they_run(capsys):
+    """A pipeline layout's JSON has its schedule (kind, stages, microbatches, ticks, bubble), a
+    context layout's its attention kernel and ring; a collective whose groups are single devices
+    (mesh_axes []: the context layout's transposed psums) carries the note that explains it."""
+    from jaxpar import cli
+    from jaxpar.engine.collectives import TRIVIAL_NOTE
+
+    got = {}
+    for mesh in ("data=4,pipeline=2", "data=2,context=4"):
+        argv = ["inspect", "--recipe", "gpt_tiny", "--mesh", mesh, "--json",
+                "--set", "pipeline.schedule=1f1b", "--set", "pipeline.microbatches=4"]  # fmt: skip
+        assert cli.main(argv) == 0
+        got[mesh] = json.loads(capsys.readouterr().out)
+    pp = got["data=4,pipeline=2"]["pipeline"]
+    assert (pp["schedule"], pp["stages"], pp["microbatches"]) == ("1f1b", 2, 4)
+    assert pp["ticks"] > pp["microbatches"] and 0 < pp["bubble"] < 1
+    assert pp["stage_layers"] == [2, 2] and len(pp["stage_train_flops"]) == 2
+    ctx = got["data=2,context=4"]
+    assert ctx["context"]["ring"] == 4 and ctx["context"]["attention"] and "pipeline" not in ctx
+    assert any(row["mesh_axes"] == [] for row in ctx["collectives"])
+    for r in got.values():
+        for row in r["collectives"]:
+            assert (row.get("note") == TRIVIAL_NOTE) == (row["mesh_axes"] == [])

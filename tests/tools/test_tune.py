@@ -149,11 +149,16 @@ def test_memory_matches_the_compiled_program(tmp_path):
     [
         (["--hardware", "tpu9"], "unknown hardware profile 'tpu9'; use one of h100x8"),
         (["--devices", "64"], "--devices 64: this machine has 8 devices"),
-        (["--out", "/nonexistent/dir/x.json"], "its folder does not exist"),
+        (["--out", "/proc/x.json"], "--out /proc/x.json is under /proc, a kernel filesystem"),
+        (["--out", "{tmp}"], "is a folder; name a file in it"),
+        (["--out", "{tmp}/file/x.json"], "file is a file, not a folder"),
         (["--axes", "data,bogus"], "--axes: unknown mesh axis 'bogus'"),
     ],
 )
-def test_bad_input_is_one_line(capsys, argv, needle):
+def test_bad_input_is_one_line(capsys, tmp_path, argv, needle):
+    """Refused before any layout is compiled (an --out that cannot be written included)."""
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     args = ["tune", "--recipe", "gpt_tiny", "--devices", "8", *argv]
     assert cli.main(args) == 2
     err = capsys.readouterr().err

@@ -48,8 +48,8 @@ def _bin(venv: str, name: str) -> str:
     return os.path.join(venv, "bin", name)
 
 
-def _pip(venv: str, args: list[str], timeout: float = INSTALL_TIMEOUT_S):
-    cmd = [_bin(venv, "python"), "-m", "pip", "--disable-pip-version-check", *args]
+def _pip(venv: str, args: list[str], timeout: float = INSTALL_TIMEOUT_S, python: str = ""):
+    cmd = [python or _bin(venv, "python"), "-m", "pip", "--disable-pip-version-check", *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -89,20 +89,24 @@ def cpu_wheel(folders: list[str]) -> str | None:
     return max(found, default=None)
 
 
-def torch_requirement(venv: str) -> str:
+def torch_requirement(venv: str, python: str = "") -> str:
     """What to install torch from: $JAXPAR_BENCH_TORCH, else the index's torch if it brings no
-    GPU packages, else a CPU wheel in pip's find-links folders; PeerUnavailable if none."""
+    GPU packages, else a CPU wheel in pip's find-links folders; PeerUnavailable if none.
+    `python`: the interpreter whose pip resolves it (the venv's by default; `venv` is then only
+    the folder its report is written to)."""
     if os.environ.get("JAXPAR_BENCH_TORCH"):
         return os.environ["JAXPAR_BENCH_TORCH"]
     report_path = os.path.join(venv, "torch-report.json")
-    r = _pip(venv, ["install", "--dry-run", "--quiet", "--report", report_path, "torch"])
+    r = _pip(
+        venv, ["install", "--dry-run", "--quiet", "--report", report_path, "torch"], python=python
+    )
     if r.returncode != 0:
         raise PeerUnavailable(f"pip cannot resolve torch: {_last_line(r.stderr)}")
     with open(report_path) as f:
         gpu = gpu_packages(json.load(f))
     if not gpu:
         return "torch"
-    config = _pip(venv, ["config", "list"], timeout=60).stdout
+    config = _pip(venv, ["config", "list"], timeout=60, python=python).stdout
     wheel = cpu_wheel(find_links(config))
     if wheel is None:
         raise PeerUnavailable(

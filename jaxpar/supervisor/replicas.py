@@ -23,6 +23,7 @@ restarted groups start from the newest checkpoint, as a new job would.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import shlex
@@ -45,6 +46,7 @@ from jaxpar.supervisor.policy import exit_text, root_exit
 from jaxpar.supervisor.replica_group import ReplicaGroup
 from jaxpar.supervisor.transport import Rendezvous
 from jaxpar.worker import bootstrap, group_layout, group_wire
+from jaxpar.worker.group_exchange import EXTRA
 from jaxpar.worker.group_layout import Layout
 from jaxpar.worker.group_wire import Outbox, WireError
 
@@ -135,6 +137,19 @@ class Hub:
         # group -> why the hub dropped it from a step (its contribution was checked): the
         # supervisor's reason for its restart
         self.causes: dict[int, str] = {}
+        # the peer-to-peer average (jaxpar/worker/group_exchange.py): each process's store
+        # address from its ready, or why its group has no engine
+        self.p2p: dict[tuple[int, int], str] = {}
+        self.p2p_missing: dict[int, str] = {}
+        self.exchanges: dict[int, dict] = {}  # step -> the exchange under way for it
+        self.comm: dict | None = None  # the communicators in force: quorum, epoch, prefix
+        self.epoch = 0
+        self.hang_s = 60.0  # what an exchange's members wait for each other (the hang timeout)
+        self.said_path: str | None = None
+        # what passed through the hub: gradients (steps averaged here) and states (transfers)
+        self.gradient_bytes = 0
+        self.state_bytes = 0
+        self.p2p_steps = 0
         self.sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
         self.sock.bind((bind, 0))
         self.sock.listen(64)
@@ -211,17 +226,35 @@ class Hub:
             if header.get("sync_every"):
                 self.outer_only.add(g)
             self.ready.setdefault(g, {})[k] = int(header.get("step", -1))
+            store = header.get("p2p")
+            if isinstance(store, str) and 0 < len(store) <= 300 and ":" in store:
+                self.p2p[who] = store
+            else:
+                self.p2p.pop(who, None)
+                self.p2p_missing[g] = printable(str(header.get("p2p_missing", "no engine")), 300)
             self._admit(g)
         elif kind == "average":
             step = int(header.get("step", -1))
             layout = group_layout.parse(header, arrays)
             self._name_parts(g, header.get("parts"), len(layout.shapes))
+            self.gradient_bytes += sum(a.nbytes for a in arrays)
             if g in self.joined and step >= self.joined[g]:
                 self.pending.setdefault(step, {})[who] = (layout, arrays)
                 self.first_seen.setdefault(step, time.time())
                 self._ask_state(who, step)
                 self._release(step)
+        elif kind == "report":  # peer to peer: what the screen reads, no arrays
+            step = int(header.get("step", -1))
+            report = self._report(g, header, arrays)
+            if g in self.joined and step >= self.joined[g]:
+                self.pending.setdefault(step, {})[who] = report
+                self.first_seen.setdefault(step, time.time())
+                self._ask_state(who, step)
+                self._release(step)
+        elif kind == "reduced":
+            self._reduced(who, header)
         elif kind == "state":
+            self.state_bytes += sum(a.nbytes for a in arrays)
             self._forward_state(who, header, arrays)
         elif kind == "listen":  # DiLoCo: the donor's replicas are this group's; not counted
             step = int(header.get("step", -1))
@@ -256,6 +289,8 @@ class Hub:
             self.pending.clear()
             self.first_seen.clear()
             self.listeners.clear()
+            self.exchanges.clear()
+            self.comm = None
         if not self.started and self.next_step in (None, step):
             self.next_step = step
             self.joined[g] = step
@@ -341,7 +376,38 @@ class Hub:
         got = self.pending.get(step, {})
         if not all((g, k) in got for g in q for k in range(self.per_group)):
             return
+        if step in self.exchanges:  # under way: re-formed over the quorum left, if it changed
+            if self.exchanges[step]["quorum"] != q:
+                self._exchange(step, q)
+            return
+        reports = [who for who, v in got.items() if isinstance(v, dict)]
+        if reports:
+            why = self._hub_path(step, q, got)
+            if why is not None:  # this step through the hub: its reporters send their shards
+                for who in reports:
+                    del got[who]
+                    self._send(who, {"kind": "send", "step": step})
+                self._say_path(why)
+                return
+            found = {}
+            for g in q:
+                mine = [got[(g, k)] for k in range(self.per_group)]
+                bad = sorted({leaf for r in mine for leaf in r["bad"]})
+                found[g] = (bad, math.sqrt(sum(r["sq"] for r in mine)), mine[0]["leaves"])
+            bad = self._screen(step, q, found)
+            if bad is not None:
+                self.causes[bad[0]] = bad[1]
+                self._drop(*bad)
+                return
+            self._say_path(None)
+            self._exchange(step, q)
+            return
         parts = {g: [got[(g, k)] for k in range(self.per_group)] for g in q}
+        lacking = [g for g in q if g in self.p2p_missing and any(
+            (g, k) not in self.p2p for k in range(self.per_group))]  # fmt: skip
+        if lacking:  # said once: the engine is missing there
+            self._say_path(f"group {lacking[0]} cannot exchange peer to peer "
+                           f"({self.p2p_missing[lacking[0]]})")  # fmt: skip
         model = parts[q[0]][0][0].model
         for g in q:  # each group's processes tile every leaf once, in any layout
             lays = [lay for lay, _ in parts[g]]
@@ -349,7 +415,15 @@ class Hub:
                 self._drop(g if g != q[0] else q[-1], f"group {g} sent shards that do not make "
                            f"up the leaves of group {q[0]}'s")  # fmt: skip
                 return
-        bad = self._screen(step, q, parts)
+        found = {}
+        for g in q:
+            spans, at = {}, 0
+            for name, n in self.names.get(g, []):
+                spans[name] = range(at, at + n)
+                at += n
+            found[g] = (*group_layout.screen(parts[g], spans.get("gradients")),
+                        len(parts[g][0][0].shapes))  # fmt: skip
+        bad = self._screen(step, q, found)
         if bad is not None:  # out of this step and restarted from a peer; the rest go on
             g, why = bad
             self.causes[g] = why
@@ -364,9 +438,17 @@ class Hub:
         head = {"kind": "averaged", "step": step, "quorum": q}
         for g in q:
             for k in range(self.per_group):
-                self._send((g, k), head, group_layout.cut(means, got[(g, k)][0]))
+                out = group_layout.cut(means, got[(g, k)][0])
+                self.gradient_bytes += sum(a.nbytes for a in out)
+                self._send((g, k), head, out)
         for who, lay in listeners.items():
-            self._send(who, head, group_layout.cut(means, lay))
+            out = group_layout.cut(means, lay)
+            self.gradient_bytes += sum(a.nbytes for a in out)
+            self._send(who, head, out)
+        self._released(step, q, "hub")
+
+    def _released(self, step: int, q: list[int], path: str) -> None:
+        """Step `step`'s average is out to quorum `q` (through the hub or peer to peer)."""
         del self.pending[step]
         self.listeners.pop(step, None)
         self.first_seen.pop(step, None)
@@ -380,9 +462,106 @@ class Hub:
         self.released += 1
         self.group_steps_lost += self.groups - len(q)
         if q != self.last_quorum:
-            self.event(QUORUM, step=step + 1, quorum=q, groups=self.groups)
+            self.event(QUORUM, step=step + 1, quorum=q, groups=self.groups, exchange=path)
             self.last_quorum = q
         self.cv.notify_all()
+
+    def _report(self, g: int, header: dict, arrays: list) -> dict:
+        """A process's report for the peer-to-peer average, checked: {"bad", "sq", "digest",
+        "leaves"}; WireError when malformed."""
+        leaves, bad, sq = header.get("leaves"), header.get("bad"), header.get("sq")
+        digest = header.get("digest")
+        ok = not arrays and type(leaves) is int and 0 < leaves <= group_layout.MAX_LEAVES
+        ok = ok and isinstance(bad, list) and len(bad) <= leaves
+        ok = ok and all(type(b) is int and 0 <= b < leaves for b in bad)
+        ok = ok and isinstance(sq, int | float) and not sq < 0  # inf and NaN: a bad norm
+        if not ok or not isinstance(digest, str) or len(digest) > 64:
+            raise WireError(f"a malformed report {str(header)[:80]}")
+        self._name_parts(g, header.get("parts"), leaves)
+        return {"bad": bad, "sq": float(sq), "digest": digest, "leaves": leaves}
+
+    def _hub_path(self, step: int, q: list[int], got: dict) -> str | None:
+        """Why step `step` averages through the hub rather than peer to peer (None: it does
+        not)."""
+        for g in q:
+            for k in range(self.per_group):
+                if not isinstance(got[(g, k)], dict) or (g, k) not in self.p2p:
+                    why = self.p2p_missing.get(g, "no engine")
+                    return f"group {g} cannot exchange peer to peer ({why})"
+        if self.listeners.get(step):
+            return f"a group joins by listening to step {step + 1}'s average (DiLoCo)"
+        for k in range(self.per_group):
+            digests = {got[(g, k)]["digest"] for g in q}
+            if len(digests) > 1:
+                return (f"the groups' layouts differ (process {k} of groups {q} hold different "
+                        f"shards): their shards are resharded by the hub")  # fmt: skip
+        return None
+
+    def _say_path(self, why: str | None) -> None:
+        """Say once how the groups' gradients average, when that changes."""
+        line = why or "p2p"
+        if line == self.said_path:
+            return
+        if why is None:
+            say(f"the replica groups' gradients average peer to peer (Gloo, {EXTRA}); the group "
+                f"hub keeps the quorum")  # fmt: skip
+        else:
+            say(f"the replica groups' gradients average through the group hub: {why}")
+        self.said_path = line
+
+    def _exchange(self, step: int, q: list[int], fresh: bool = False) -> None:
+        """Tell every process of quorum `q` to sum its shards of `step` with the processes
+        holding the same shards in the other groups: process k of each group, over the
+        communicators in force, formed anew when the quorum changed or an exchange failed
+        (`fresh`). Process k of the quorum's lowest group serves the rendezvous; the prefix
+        holds a secret made here, sent only over the groups' authenticated wires."""
+        c = self.comm
+        if fresh or c is None or c["quorum"] != q:
+            self.epoch += 1
+            c = self.comm = {"quorum": q, "epoch": self.epoch,
+                             "prefix": f"jaxpar/{self.epoch}/{secrets.token_hex(16)}"}  # fmt: skip
+        old = self.exchanges.get(step)
+        self.exchanges[step] = {"quorum": q, "epoch": c["epoch"], "ok": set(), "failed": {},
+                                "t": time.time(), "tries": old["tries"] if old else 0}  # fmt: skip
+        for k in range(self.per_group):
+            head = {"kind": "exchange", "step": step, "epoch": c["epoch"], "quorum": q,
+                    "world": len(q), "store": self.p2p[(q[0], k)], "prefix": f"{c['prefix']}/{k}",
+                    "timeout_s": self.hang_s}  # fmt: skip
+            for rank, g in enumerate(q):
+                self._send((g, k), {**head, "rank": rank})
+
+    def _reduced(self, who: tuple[int, int], header: dict) -> None:
+        """A process's word on its exchange: the step is committed once every member's sums
+        succeeded; re-formed once every member answered and one failed (a peer cut off, not
+        lost); after two such failures the quorum's highest group leaves it."""
+        step = int(header.get("step", -1))
+        ex = self.exchanges.get(step)
+        if ex is None or header.get("epoch") != ex["epoch"] or who[0] not in ex["quorum"]:
+            return  # an exchange given up
+        if header.get("ok") is True:
+            ex["ok"].add(who)
+        else:
+            ex["failed"][who] = printable(str(header.get("error", "")), 200)
+        q = ex["quorum"]
+        members = [(g, k) for g in q for k in range(self.per_group)]
+        if all(m in ex["ok"] for m in members):
+            head = {"kind": "averaged", "step": step, "quorum": q, "epoch": ex["epoch"]}
+            for m in members:
+                self._send(m, head)
+            del self.exchanges[step]
+            self.p2p_steps += 1
+            self._released(step, q, "p2p")
+        elif all(m in ex["ok"] or m in ex["failed"] for m in members):
+            ex["tries"] += 1
+            first = next(iter(ex["failed"].values()))
+            if ex["tries"] < 2:
+                self._exchange(step, q, fresh=True)
+                return
+            g = q[-1]
+            self.causes[g] = why = (f"the exchange of step {step + 1} failed twice with every "
+                                    f"group answering ({first}): group {g} leaves the quorum")  # fmt: skip
+            self.comm = None
+            self._drop(g, why)
 
     def _name_parts(self, g: int, parts: object, leaves: int) -> None:
         """Group `g`'s naming of its average's leaves ([[name, count], ...] adding up to them);
@@ -396,23 +575,23 @@ class Hub:
         else:
             self.names.pop(g, None)
 
-    def _screen(self, step: int, q: list[int], parts: dict) -> tuple[int, str] | None:
+    def _screen(self, step: int, q: list[int], found: dict) -> tuple[int, str] | None:
         """The first group of quorum `q` whose contribution to `step` must not enter the average,
         and why: a NaN or an infinity anywhere in it, or (with 3 groups or more) a gradient norm
-        more than NORM_FACTOR times the median of the other groups'."""
+        more than NORM_FACTOR times the median of the other groups'. `found`: group -> (its
+        non-finite leaves, its gradient norm, its leaves), from its shards or its report."""
         norms = {}
         for g in q:
-            spans, at = {}, 0
-            for name, n in self.names.get(g, []):
-                spans[name] = range(at, at + n)
-                at += n
-            bad, norms[g] = group_layout.screen(parts[g], spans.get("gradients"))
+            bad, norms[g], leaves = found[g]
             if bad:
+                spans, at = {}, 0
+                for name, n in self.names.get(g, []):
+                    spans[name] = range(at, at + n)
+                    at += n
                 what = sorted({next((name for name, r in spans.items() if leaf in r), "")
                                for leaf in bad} - {""}) or ["values"]  # fmt: skip
                 return g, (f"non-finite {' and '.join(what)} in step {step + 1} (NaN or inf in "
-                           f"{len(bad)} of its {len(parts[g][0][0].shapes)} leaves), dropped "
-                           f"before the average")  # fmt: skip
+                           f"{len(bad)} of its {leaves} leaves), dropped before the average")  # fmt: skip
         for g in q if len(q) >= 3 else []:
             others = sorted(norms[h] for h in q if h != g)
             median = others[len(others) // 2]
@@ -464,6 +643,7 @@ class Hub:
                 continue
             head = {"kind": "state", "step": t["step"], "checksum": check,
                     "quorum": self._quorum(t["step"])}  # fmt: skip
+            self.state_bytes += sum(a.nbytes for a in arrays)
             self._send((j, k), head, arrays)
             t["sent"].add(k)
         if len(t["sent"]) == self.per_group:
@@ -483,6 +663,7 @@ class Hub:
         self.names.pop(g, None)
         for k in range(self.per_group):
             self.layouts.pop((g, k), None)
+            self.p2p.pop((g, k), None)
         for k in range(self.per_group):
             box = self.wires.pop((g, k), None)
             if box is not None:  # told why, if it still reads; closed within seconds anyway
@@ -522,6 +703,19 @@ class Hub:
         now = time.time() if now is None else now
         hung: dict[int, str] = {}
         with self.cv:
+            self.hang_s = timeout_s
+            for step, ex in sorted(self.exchanges.items()):  # a member silent inside an exchange
+                if now - ex["t"] < timeout_s:
+                    continue
+                done = ex["ok"] | set(ex["failed"])
+                late = [g for g in ex["quorum"] if any((g, k) not in done
+                                                       for k in range(self.per_group))]  # fmt: skip
+                if len(late) == len(ex["quorum"]):
+                    continue  # every member still inside: their own timeouts end it first
+                for g in late:
+                    hung[g] = (f"hung: no word from inside step {step + 1}'s exchange "
+                               f"{timeout_s:.0f}s after it began")  # fmt: skip
+                    self._drop(g, hung[g])
             for step in sorted(self.pending) if self.started else []:  # not in the start-up
                 if now - self.first_seen.get(step, now) < timeout_s:
                     continue
@@ -995,6 +1189,9 @@ class ReplicaSupervisor(JobState):
                 "group_restarts": self.group_restarts,
                 "steps_released": hub.released if hub else 0,
                 "group_steps_lost": hub.group_steps_lost if hub else 0,
+                "steps_peer_to_peer": hub.p2p_steps if hub else 0,
+                "hub_gradient_bytes": hub.gradient_bytes if hub else 0,
+                "hub_state_bytes": hub.state_bytes if hub else 0,
             }  # fmt: skip
             write_json(os.path.join(self.run_dir, runlog.SUMMARY), summary)
         except OSError as e:

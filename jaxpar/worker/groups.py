@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpar.config import TrainConfig
 from jaxpar.engine.mesh import batch_parallel_size
-from jaxpar.worker import group_layout, group_wire
+from jaxpar.worker import group_exchange, group_layout, group_wire
 from jaxpar.worker.group_wire import WireError
 
 
@@ -171,6 +171,15 @@ def tree_from_pieces(like: Any, arrays: list[np.ndarray]) -> Any:
 # ---- the link to the hub ------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Sums:
+    """An exchange's end, from its thread: the sums, or why it failed."""
+
+    epoch: Any
+    sums: list[np.ndarray] | None
+    error: str | None
+
+
 def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
     """The group's step programs, compiled ahead of the first step through the compiled-program
     cache (a restarted group loads them): ((gradients, update), seconds); with DiLoCo
@@ -237,6 +246,9 @@ class GroupLink:
         hello = {"group": self.group, "rank": self.rank, "nproc": jax.process_count(),
                  "pid": os.getpid()}  # fmt: skip
         self.wire = group_wire.client_handshake(sock, env["key"], hello)
+        # the peer-to-peer average (jaxpar[gloo]): its store on the address the hub sees
+        self.engine = group_exchange.Engine(sock.getsockname()[0])
+        self._plans: dict = {}
         self._inbox: queue.Queue = queue.Queue()
         # (step, state) of the step this process computes, until its update takes the state
         self._current: tuple[int, dict] | None = None
@@ -260,6 +272,8 @@ class GroupLink:
             group_layout.nbytes(fields["shapes"], fields["dtypes"])
         )
         ready = {"kind": "ready", "step": int(state["step"]), "sync_every": self.sync_every}
+        store = self.engine.ready()
+        ready.update({"p2p": store} if store else {"p2p_missing": str(self.engine.missing)[:300]})
         self.wire.send({**ready, **fields})
         header, arrays = self._recv()
         self.quorum = [int(g) for g in header.get("quorum", [])]
@@ -318,8 +332,13 @@ class GroupLink:
             self._current = None if step is None else (step, state)
             self._current_cv.notify_all()
 
-    def _recv(self) -> tuple[dict, list[np.ndarray]]:
+    def _recv(self, sums: bool = False) -> tuple[dict, list[np.ndarray]]:
+        """The next frame from the hub (with `sums`: or an exchange's end, a `_Sums`)."""
         item = self._inbox.get()
+        while isinstance(item, _Sums) and not sums:  # an exchange given up, ending late
+            item = self._inbox.get()
+        if isinstance(item, _Sums):
+            return item
         if isinstance(item, Exception):
             self._inbox.put(item)  # every later call fails the same way
             raise WireError(f"the connection to the group hub failed ({item})")
@@ -331,15 +350,105 @@ class GroupLink:
     def _average(self, tree, step: int, parts: tuple[str, ...] = ()):
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned. `parts`
         names the parts of a tuple `tree` (the hub names what it refuses by them)."""
+        names = [[n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)]
+        if self.engine.address is not None:
+            out = self._exchange(tree, step, names)
+            if out is not None:
+                return out
         fields, arrays = tree_pieces(tree, "owned")
         if parts:
-            fields["parts"] = [
-                [n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)
-            ]
+            fields["parts"] = names
         self.wire.send({"kind": "average", "step": step, **fields}, arrays)
         if self.faults is not None:
             self.faults.inside_average(step)
         return self._averaged(tree, step)
+
+    def _plan(self, leaves: list) -> group_exchange.Plan:
+        """How this process's held shards of a tree of `leaves` are summed (cached per layout)."""
+        key = tuple((leaf.sharding, tuple(leaf.shape), np.dtype(leaf.dtype).name)
+                    for leaf in leaves)  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            keys, held_by = [], []
+            for sharding, shape, _ in key:
+                keys.append(_leaf_layout(sharding, shape)[0])
+                held_by.append(group_exchange.holders(sharding, shape))
+            plan = self._plans[key] = group_exchange.Plan(
+                keys, held_by, [k[2] for k in key], [k[1] for k in key]
+            )
+        return plan
+
+    def _exchange(self, tree, step: int, names: list):
+        """`step`'s average peer to peer: this process's report (its non-finite leaves and sum of
+        squares) to the hub, then the sums of its held shards over each exchange the hub names,
+        until the hub commits one (`averaged`, no arrays: every member's sums succeeded); None
+        when the hub asks for the shards instead (the hub path)."""
+        leaves = jax.tree.leaves(tree)
+        plan = self._plan(leaves)
+        if not plan.usable:
+            return None
+        pieces: dict[tuple[int, tuple], np.ndarray] = {}
+        owned, held = [], []
+        for i, leaf in enumerate(leaves):
+            have, mine, here = _leaf_layout(leaf.sharding, tuple(leaf.shape))
+            data: dict[tuple, Any] = {}
+            for sh in leaf.addressable_shards:
+                data.setdefault(here[sh.device.id], sh.data)
+            for k in have:
+                pieces[(i, k)] = group_wire.contiguous(data[k])
+                held.append((i, k))
+            owned += [(i, pieces[(i, k)]) for k in mine]
+        span, at = None, 0
+        for name, n in names:
+            span = range(at, at + n) if name == "gradients" else span
+            at += n
+        bad, squares = group_exchange.screen(owned, span)
+        report = {"kind": "report", "step": step, "bad": bad, "sq": squares,
+                  "digest": plan.digest, "leaves": len(leaves)}  # fmt: skip
+        if names:
+            report["parts"] = names
+        self.wire.send(report)
+        buffers = plan.pack(pieces)
+        sums, flight = None, None  # the sums of exchange `sums[0]`; the epoch in flight
+        while True:
+            item = self._recv(sums=True)
+            if isinstance(item, _Sums):
+                if item.epoch != flight:
+                    continue  # an exchange given up for a newer one
+                flight = None
+                if item.error is None:
+                    sums = (item.epoch, item.sums)
+                reply = {"kind": "reduced", "step": step, "epoch": item.epoch,
+                         "ok": item.error is None, "error": (item.error or "")[:300]}  # fmt: skip
+                self.wire.send(reply)
+                continue
+            header, _ = item
+            kind = header.get("kind")
+            if kind == "send":  # the hub path for this step (a group without the engine, ...)
+                return None
+            if kind == "exchange" and header.get("step") == step:
+                sums, flight = None, header.get("epoch")
+                self.engine.begin(flight)
+                if self.faults is not None:
+                    self.faults.inside_average(step)
+                threading.Thread(target=self._sum, args=(header, buffers), daemon=True,
+                                 name="jaxpar-exchange-sums").start()  # fmt: skip
+            elif kind == "averaged" and header.get("step") == step and sums is not None \
+                    and header.get("epoch") == sums[0]:  # fmt: skip
+                self.quorum = [int(g) for g in header.get("quorum", [])]
+                self.leads = bool(self.quorum) and self.group == min(self.quorum)
+                means = plan.unpack(sums[1], pieces, len(self.quorum))
+                return tree_from_pieces(tree, [means[p] for p in held]), header
+            else:
+                raise WireError(f"expected step {step}'s exchange, got {str(header)[:80]}")
+
+    def _sum(self, spec: dict, buffers: list[np.ndarray]) -> None:
+        """An exchange's sums (its own thread; the training thread waits for them or for the
+        hub's next word), put in the inbox as a `_Sums`."""
+        try:
+            self._inbox.put(_Sums(spec.get("epoch"), self.engine.sums(spec, buffers), None))
+        except Exception as e:  # noqa: BLE001 - any failure is said to the hub
+            self._inbox.put(_Sums(spec.get("epoch"), None, f"{type(e).__name__}: {e}"))
 
     def _averaged(self, like, step: int):
         header, arrays = self._recv()

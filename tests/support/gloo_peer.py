@@ -1,0 +1,95 @@
+"""jaxpar[gloo] for the replica groups' tests: torch (CPU) installed once, by pip, into a folder of
+its own that the tests put on their workers' PYTHONPATH — never into jaxpar's environment, whose
+default install must stay without torch.
+
+The folder is `$XDG_CACHE_HOME` (else `~/.cache`) `/jaxpar/test-peers/gloo-torch-<TORCH>`; it
+holds torch and what torch needs that this environment lacks (pip's dry run against it). torch
+comes from where `jaxpar bench survivors` takes it (`survivors_peer.torch_requirement`: the
+index's torch when it brings no GPU packages, else a CPU wheel from pip's find-links or
+`$JAXPAR_BENCH_TORCH`). Tests that need it skip with the reason when it cannot be installed,
+unless JAXPAR_REQUIRE_GLOO=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed
+
+import pytest
+
+from jaxpar.bench.survivors_peer import PeerUnavailable, torch_requirement
+from tests.support.hf_peer import _last_line, _locked, cache_dir
+
+TORCH = "2.13.0"  # constraints.txt's pin of the gloo extra
+INSTALL_TIMEOUT_S = 1800
+REQUIRE = "JAXPAR_REQUIRE_GLOO"
+
+
+def _pip(args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PeerUnavailable(f"pip {args[0]} took over {INSTALL_TIMEOUT_S} s") from None
+
+
+def ensure() -> str:
+    """The folder holding torch for the workers' PYTHONPATH, installed on first use;
+    PeerUnavailable when it cannot be."""
+    folder = os.path.join(cache_dir(), f"gloo-torch-{TORCH}")
+    ready = os.path.join(folder, "ready.json")
+    with _locked(folder + ".lock"):
+        if os.path.exists(ready):
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        req = torch_requirement(folder, python=sys.executable)
+        if req == "torch":
+            req = f"torch=={TORCH}"
+        report = os.path.join(folder, "report.json")
+        r = _pip(["install", "--dry-run", "--quiet", "--ignore-installed", "--report", report,
+                  req])  # fmt: skip
+        if r.returncode != 0:
+            raise PeerUnavailable(f"pip cannot resolve {req}: {_last_line(r.stderr)}")
+        with open(report) as f:
+            wanted = json.load(f).get("install", [])
+        names = []
+        for item in wanted:
+            meta = item.get("metadata", {})
+            name, version = meta.get("name", ""), meta.get("version", "")
+            if name.lower() == "torch":
+                continue
+            with contextlib.suppress(PackageNotFoundError):
+                installed(name)
+                continue  # this environment has it: not shadowed
+            names.append(f"{name}=={version}")
+        r = _pip(["install", "--quiet", "--no-deps", "--target", os.path.join(folder, "site"),
+                  req, *names])  # fmt: skip
+        if r.returncode != 0:
+            raise PeerUnavailable(f"pip cannot install {req}: {_last_line(r.stderr)}")
+        code = "import torch.distributed as d, torch; print(torch.__version__)"
+        env = {**os.environ, "PYTHONPATH": os.path.join(folder, "site")}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=300)  # fmt: skip
+        if r.returncode != 0:
+            raise PeerUnavailable(f"torch does not import: {_last_line(r.stderr)}")
+        with open(ready, "w") as f:
+            json.dump({"torch": r.stdout.strip()}, f)
+        return folder
+
+
+def site() -> str:
+    """The folder to put on the workers' PYTHONPATH; the test skips (fails under
+    JAXPAR_REQUIRE_GLOO=1) when torch cannot be installed."""
+    try:
+        return os.path.join(ensure(), "site")
+    except PeerUnavailable as e:
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")
+        pytest.skip(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")

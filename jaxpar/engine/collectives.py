@@ -488,29 +488,126 @@ def _names(operands: str) -> list[str]:
 # --------------------------------------------------------------------------- FLOPs
 
 
-def hlo_flops(hlo_text: str) -> float:
+def hlo_flops(hlo_text: str, switch=None) -> float:
     """FLOPs per device of one run of an optimised HLO module: its dots and convolutions (inside
     fusions too; cuBLAS GEMM custom calls), each times the trip count of the loops around it.
-    XLA's own cost analysis counts a loop body once; elementwise work is not counted here."""
+    XLA's own cost analysis counts a loop body once; elementwise work is not counted here
+    (`hlo_cost` has it). `switch`: as for `hlo_cost`."""
+    return hlo_cost(hlo_text, switch)["flops"]
+
+
+# Elementwise opcodes XLA's cost analysis counts as one FLOP per result element.
+_ELEMENTWISE = frozenset(
+    "abs add and atan2 cbrt ceil clamp compare convert cosine divide erf exponential "
+    "exponential-minus-one floor is-finite log log-plus-one logistic maximum minimum multiply "
+    "negate not or power remainder round-nearest-afz round-nearest-even rsqrt select sign sine "
+    "sqrt subtract tan tanh xor".split()
+)
+_NO_KERNEL = frozenset(
+    {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+)
+_COST_KEYS = ("flops", "elementwise", "kernels", "wait_flops", "wait_elementwise")
+
+
+def hlo_cost(hlo_text: str, switch=None) -> dict[str, float]:
+    """What one run of an optimised HLO module does per device, loops counted by trip count:
+
+    - `flops`: its dots and convolutions (inside fusions too; cuBLAS GEMM custom calls);
+    - `elementwise`: one per result element of its elementwise ops and per input element of its
+      reductions (what XLA's cost analysis adds to the dots);
+    - `kernels`: the instructions of the computations that run on their own (not fusion bodies,
+      reducers or sort comparators);
+    - `wait_flops`, `wait_elementwise`: the part of `flops` and `elementwise` a device spends
+      waiting on the others (see `switch`).
+
+    A conditional runs one branch per execution: its most expensive one is counted. `switch`
+    ([ticks, devices] array of branch indices, e.g. a pipeline's schedule table) says which
+    branch each device takes at each trip of a loop of that many trips around a conditional with
+    more branches than the table names: each trip then costs what the slowest device's branch
+    costs (the devices meet at every trip), and the `wait_` figures are that total minus the
+    busiest device's own share."""
     comps, entry = _parse_module(hlo_text)
-    ctx = _loop_context(comps, entry)
-    total = 0.0
-    for comp, instrs in comps.items():
-        if comp not in ctx:
-            continue  # not reached from the entry computation
-        in_loop, trips, _ = ctx[comp]
-        runs = (trips or 1) if in_loop else 1
+    names = {i.name: i for c in comps.values() for i in c}
+    memo: dict[tuple[str, bool], np.ndarray] = {}
+    table = None if switch is None else np.asarray(switch)
+
+    def cost(name: str, top: bool, depth: int = 0) -> np.ndarray:
+        key = (name, top)
+        if key in memo:
+            return memo[key]
+        total = np.zeros(len(_COST_KEYS))
+        memo[key] = total  # a cycle (never in XLA's output) counts zero, not forever
+        if depth > 64:
+            return total
+        instrs = comps.get(name, [])
         shapes = {i.name: i.shape for i in instrs}
         for instr in instrs:
-            if instr.opcode == "dot":
-                total += runs * _dot_flops(instr, shapes)
-            elif instr.opcode == "convolution":
-                total += runs * _conv_flops(instr, shapes)
-            elif instr.opcode == "custom-call" and (
-                "$gemm" in instr.attrs or "$matmul" in instr.attrs
-            ):
-                total += runs * _gemm_flops(instr, shapes)
-    return total
+            op = instr.opcode
+            own = np.zeros(len(_COST_KEYS))
+            if op == "while":
+                body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
+                trips = _trip_count(instr, comps, names) or 1
+                if body:
+                    own += _loop_cost(body.group(1), trips, top, depth)
+                own[2] += top
+            elif op == "conditional":
+                branches = [c for _, c in _callees(instr)]
+                costs = [cost(b, top, depth + 1) for b in branches]
+                if costs:
+                    own += max(costs, key=lambda c: (c[0], c[1], c[2]))
+                own[2] += top
+            elif op in ("call", "async-start"):
+                for _, callee in _callees(instr):
+                    own += cost(callee, top, depth + 1)
+            elif op in ("fusion", "custom-call"):  # one kernel; what it calls runs inside it
+                for _, callee in _callees(instr):
+                    own += cost(callee, False, depth + 1)
+                if op == "custom-call" and ("$gemm" in instr.attrs or "$matmul" in instr.attrs):
+                    own[0] += _gemm_flops(instr, shapes)
+                own[2] = top
+            else:
+                if op == "dot":
+                    own[0] = _dot_flops(instr, shapes)
+                elif op == "convolution":
+                    own[0] = _conv_flops(instr, shapes)
+                elif op in _ELEMENTWISE:
+                    own[1] = _elements(instr.shape)
+                elif op in ("reduce", "reduce-window"):
+                    ops = _names(instr.operands)
+                    own[1] = _elements(shapes.get(ops[0], "")) if ops else 0
+                own[2] = top and op not in _NO_KERNEL
+            total += own
+        memo[key] = total
+        return total
+
+    def _loop_cost(body: str, trips: int, top: bool, depth: int) -> np.ndarray:
+        cond = None
+        if table is not None and table.ndim == 2 and table.shape[0] == trips:
+            cond = next((i for i in comps.get(body, []) if i.opcode == "conditional"
+                         and len(_callees(i)) > int(table.max())), None)  # fmt: skip
+        if cond is None:
+            return trips * cost(body, top, depth + 1)
+        branch = [cost(c, top, depth + 1) for _, c in _callees(cond)]
+        rest = cost(body, top, depth + 1) - max(branch, key=lambda c: (c[0], c[1], c[2]))
+        slowest = sum(max((branch[b] for b in row), key=lambda c: c[0] + c[1]) for row in table)
+        busiest = max((sum(branch[b] for b in table[:, d]) for d in range(table.shape[1])),
+                      key=lambda c: c[0] + c[1])  # fmt: skip
+        out = trips * rest + slowest
+        out[3:5] += slowest[:2] - busiest[:2]
+        return out
+
+    if entry is None:
+        return dict.fromkeys(_COST_KEYS, 0.0)
+    return {k: float(v) for k, v in zip(_COST_KEYS, cost(entry, True), strict=True)}
+
+
+def _elements(shape: str) -> int:
+    """Elements of an HLO shape (tuples: summed)."""
+    return sum(
+        int(np.prod([int(d.replace("<=", "")) for d in dims.split(",") if d.strip()],
+                    dtype=np.int64))
+        for _, dims in _ARRAY.findall(shape)
+    )  # fmt: skip
 
 
 def _dims(shape: str) -> list[int]:

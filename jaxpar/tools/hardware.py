@@ -104,6 +104,24 @@ def _best_time(fn, *args, reps: int = 7) -> float:
     return sorted(times)[len(times) // 4]  # a low quantile: the machine's speed, not its noise
 
 
+def cpu_peak(devices: int) -> float:
+    """FLOP/s each of the first `devices` devices reaches on a sharded matmul while all of them
+    compute at once (the `cpu` profile's peak; measured again, it says whether the machine's
+    speed changed)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    mesh = Mesh(np.asarray(jax.devices()[:devices]), ("d",))
+    n, k = 256, 512
+    a = jax.device_put(jnp.ones((devices * n, k), jnp.float32), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, P()))
+    mm = jax.jit(lambda a, w: jnp.tanh(a @ w) @ w)
+    return 2 * 2 * n * k * k / _best_time(mm, a, w)
+
+
 def measure_cpu(devices: int) -> Profile:
     """The `cpu` profile of this machine over its first `devices` devices."""
     import jax  # noqa: PLC0415
@@ -114,11 +132,7 @@ def measure_cpu(devices: int) -> Profile:
 
     devs = jax.devices()[:devices]
     mesh = Mesh(np.asarray(devs), ("d",))
-    n, k = 256, 512
-    a = jax.device_put(jnp.ones((devices * n, k), jnp.float32), NamedSharding(mesh, P("d")))
-    w = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, P()))
-    mm = jax.jit(lambda a, w: jnp.tanh(a @ w) @ w)
-    peak = 2 * 2 * n * k * k / _best_time(mm, a, w)
+    peak = cpu_peak(devices)
 
     def allreduce(x):
         return jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"),

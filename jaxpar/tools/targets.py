@@ -407,9 +407,10 @@ def oom_bytes(line: str) -> int | None:
     return int(float(m.group(1)) * scale)
 
 
-def compile_lowered(t: Target, lowered, mesh) -> Result:
+def compile_lowered(t: Target, lowered, mesh, switch=None) -> Result:
     """Compile `lowered` (lowered for `devices(t)`) with the target's compiler. Raises
-    DoesNotFit or TargetError (`failure`)."""
+    DoesNotFit or TargetError (`failure`). `switch`: collectives.hlo_cost's (a pipeline's
+    schedule table)."""
     from jaxpar.tools import doctor  # noqa: PLC0415 - doctor's users import this module
 
     t0 = time.perf_counter()
@@ -418,12 +419,13 @@ def compile_lowered(t: Target, lowered, mesh) -> Result:
     except Exception as e:  # noqa: BLE001 - XLA's errors are RuntimeErrors of its own
         raise failure(t, e) from None
     return result(t, compiled, compiled.as_text(), time.perf_counter() - t0,
-                  doctor.parse_warnings(err), mesh)  # fmt: skip
+                  doctor.parse_warnings(err), mesh, switch)  # fmt: skip
 
 
-def result(t: Target, compiled, hlo: str, seconds: float, remats: list, mesh) -> Result:
+def result(t: Target, compiled, hlo: str, seconds: float, remats: list, mesh,
+           switch=None) -> Result:  # fmt: skip
     """The figures of a program compiled for `t` (memory, FLOPs, collectives)."""
-    flops, source = step_flops(compiled, hlo)
+    flops, source = step_flops(compiled, hlo, switch)
     mem = collectives.memory(compiled)
     live = mem["arguments"] + mem["outputs"] - mem["aliased"]
     if not mem["temps"] and (mem["peak"] or 0) > live:
@@ -432,11 +434,11 @@ def result(t: Target, compiled, hlo: str, seconds: float, remats: list, mesh) ->
                   collectives.audit_hlo(hlo, mesh), remats)  # fmt: skip
 
 
-def step_flops(compiled, hlo: str) -> tuple[float, str]:
+def step_flops(compiled, hlo: str, switch=None) -> tuple[float, str]:
     """FLOPs per device of one run: the dots and convolutions of the optimised module with loop
     bodies counted by their trip count (collectives.hlo_flops), or XLA's cost analysis where it
     counts more (it adds elementwise work, but counts a loop body once)."""
-    counted = collectives.hlo_flops(hlo)
+    counted = collectives.hlo_flops(hlo, switch)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     xla = float(cost.get("flops", 0.0))

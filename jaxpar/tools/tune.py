@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ from jaxpar.config import RANGES, TrainConfig, apply_overrides, validate
 from jaxpar.engine import collectives
 from jaxpar.engine.mesh import AXES, BATCH_AXES, HOST_AXES, MeshSpec, mesh_text
 from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
+from jaxpar.parallel import pipeline
 from jaxpar.rundir.ownership import check_file_path
 from jaxpar.tools import doctor, hardware, targets
 from jaxpar.worker.training import device_batch, setup
@@ -73,6 +74,9 @@ class Layout:
     kernels: int = 0  # kernels one step launches per device (loop bodies x trip count)
     # --target: wire bytes per axis of the collectives its compiler overlaps with computation
     overlapped: dict[str, float] | None = None
+    # pipeline: the FLOPs of `flops` a stage spends waiting on the others (its bubble), read from
+    # the tick loop with the schedule's table (None: not a pipeline layout)
+    wait_flops: float | None = None
 
     @property
     def mesh(self) -> str:
@@ -80,14 +84,16 @@ class Layout:
         return mesh_text(live or {"data": 1})
 
     def overrides(self) -> list[str]:
-        return [f"{k}={v}" for k, v in self.settings.items()]
+        return setting_overrides(self.settings)
 
     def label(self) -> str:
         return f"{self.mesh} {' '.join(self.overrides())}".strip()
 
-    def command(self, recipe: str) -> str:
-        sets = "".join(f" --set {o}" for o in self.overrides())
-        return f"jaxpar train --recipe {recipe} --mesh {self.mesh}{sets}"
+    def command(self, recipe: str, overrides: list[str] = (), verb: str = "train") -> str:
+        """The command that runs this layout: the recipe as given, the overrides the search ran
+        with, then the layout's settings (`verb`: train, or inspect)."""
+        sets = "".join(f" --set {shlex.quote(o)}" for o in [*overrides, *self.overrides()])
+        return f"jaxpar {verb} --recipe {shlex.quote(recipe)} --mesh {self.mesh}{sets}"
 
     def record(self) -> dict:
         out = {
@@ -191,12 +197,17 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int], settings: dict) -> str
     return None
 
 
-def apply(cfg: TrainConfig, settings: dict) -> TrainConfig:
+def setting_overrides(settings: dict) -> list[str]:
+    """A layout's settings as --set overrides (a schedule of layer groups: two per stage)."""
     overrides = [f"{k}={v}" for k, v in settings.items()]
     sched = str(settings.get("pipeline.schedule", ""))
     if sched.startswith(("circular", "interl")):
         overrides.append("pipeline.repeats=2")
-    return validate(apply_overrides(cfg, overrides))
+    return overrides
+
+
+def apply(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    return validate(apply_overrides(cfg, setting_overrides(settings)))
 
 
 # --------------------------------------------------------------------------- compile and predict
@@ -212,20 +223,24 @@ def compile_layout(cfg: TrainConfig, lay: Layout, devices, run_dir: str,
     s = setup(apply(cfg, lay.settings), preset, run_dir, devices=devices, create=False)
     lowered = doctor.lower_step(s)
     floor = (s.flops_per_step or 0.0) / len(devices)  # the model's FLOPs split evenly
+    switch = pipeline_table(s)
     if target is not None:
-        res = targets.compile_lowered(target, lowered, s.mesh)
+        res = targets.compile_lowered(target, lowered, s.mesh, switch)
         compiled, colls, hlo = res.compiled, res.colls, res.hlo
         lay.remats = len(res.remats)
         lay.flops = max(res.flops, floor)
         lay.overlapped = {}
+        cost = collectives.hlo_cost(hlo, switch)
+        lay.wait_flops = cost["wait_flops"]
     else:
         compiled, err = doctor.compile_warned(lowered)
         colls, hlo = collectives.audit(compiled, s.mesh), compiled.as_text()
         lay.remats = len(doctor.parse_warnings(err))
-        cost = compiled.cost_analysis()
-        cost = (cost[0] if isinstance(cost, list) else cost) or {}
-        # Cost analysis counts a loop body once: the model's FLOPs split evenly are a floor.
-        lay.flops = max(float(cost.get("flops", 0.0)), floor)
+        # The dots and the elementwise work, each loop body times its trip count (XLA's cost
+        # analysis counts a loop body once); the model's FLOPs split evenly are a floor.
+        cost = collectives.hlo_cost(hlo, switch)
+        lay.flops = max(cost["flops"] + cost["elementwise"], floor)
+        lay.wait_flops = cost["wait_flops"] + cost["wait_elementwise"]
     lay.compile_s = time.perf_counter() - t0
     lay.kernels = kernel_count(hlo)
     lay.memory = collectives.memory(compiled)
@@ -238,52 +253,22 @@ def compile_layout(cfg: TrainConfig, lay: Layout, devices, run_dir: str,
     return s, compiled
 
 
-_TRIVIAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+def pipeline_table(s) -> np.ndarray | None:
+    """[ticks, stages] branch each stage runs at each tick of the pipeline's loop (None: the
+    session is not a pipeline layout)."""
+    p = s.mesh.shape.get(PIPELINE, 1)
+    if p == 1:
+        return None
+    parts = pipeline.model_parts(s.program.graphdef, s.program.param_template)
+    sched = pipeline.make_schedule(s.cfg.pipeline, p, parts.num_layers)
+    return pipeline.loop_tables(sched)["op"][:, :, 0]
 
 
 def kernel_count(hlo: str) -> int:
-    """Kernels an optimised module launches per run: the instructions of the computations that
-    run on their own (not fusion bodies, reducers or sort comparators), a while body's counted
-    trip-count times when XLA knows it."""
-    comps: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$", line)
-        if head and " = " not in line.split("(", 1)[0]:
-            current = head.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                comps["__entry__"] = [("call", f"calls=%{current}")]
-        elif line.strip() == "}":
-            current = None
-        elif current is not None:
-            m = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = (?:\([^()]*\)|\S+) ([\w\-]+)\((.*)$", line)
-            if m:
-                comps[current].append((m.group(1), m.group(2)))
-    memo: dict[str, int] = {}
-
-    def count(name: str, depth: int = 0) -> int:
-        if name in memo or depth > 50:
-            return memo.get(name, 0)
-        total = 0
-        for opcode, rest in comps.get(name, []):
-            if opcode == "while":
-                body = re.search(r"body=%([\w.\-]+)", rest)
-                trips = re.search(r"known_trip_count\W*n\W*(\d+)", rest)
-                if body:
-                    total += count(body.group(1), depth + 1) * (int(trips.group(1)) if trips else 1)
-                total += 1
-            elif opcode in ("call", "conditional", "async-start"):
-                for callee in re.findall(
-                    r"(?:calls|branch_computations|to_apply)=\{?%([\w.\-]+)", rest
-                ):
-                    total += count(callee, depth + 1)
-            elif opcode not in _TRIVIAL:
-                total += 1
-        memo[name] = total
-        return total
-
-    return count("__entry__")
+    """Kernels an optimised module launches per run (collectives.hlo_cost): the instructions of
+    the computations that run on their own (not fusion bodies, reducers or sort comparators), a
+    while body's counted trip-count times, a conditional's costliest branch once."""
+    return round(collectives.hlo_cost(hlo)["kernels"])
 
 
 def crosses_hosts(axis: str, sizes: dict[str, int], island: int) -> bool:
@@ -298,7 +283,11 @@ def crosses_hosts(axis: str, sizes: dict[str, int], island: int) -> bool:
 def predict(lay: Layout, prof: hardware.Profile, memory_bytes: float | None = None) -> None:
     """Step time, its split, the bottleneck and a one-line reason (overlap rule: module doc).
     `memory_bytes`: the device memory a layout must fit (default: the profile's)."""
-    compute = lay.flops / (prof.peak_flops * prof.efficiency)
+    rate = prof.peak_flops * prof.efficiency
+    p = lay.sizes.get(PIPELINE, 1)
+    # a pipeline's waits read from its tick loop (module doc) are its bubble, not its compute
+    waits = lay.wait_flops / rate if p > 1 and lay.wait_flops is not None else None
+    compute = lay.flops / rate - (waits or 0.0)
     split = {"compute": compute}
     if prof.op_s or prof.step_s:
         split["overhead"] = lay.kernels * prof.op_s + prof.step_s
@@ -321,9 +310,11 @@ def predict(lay: Layout, prof: hardware.Profile, memory_bytes: float | None = No
         hidden_budget -= hide
         t -= hide
         exposed += t
-    p = lay.sizes.get(PIPELINE, 1)
     bubble = 0.0
-    if p > 1:
+    if waits is not None:
+        bubble = waits
+        split["bubble"] = bubble
+    elif p > 1:
         m = int(lay.settings.get("pipeline.microbatches", p))
         v = (
             2
@@ -367,10 +358,11 @@ def _gib(n: float) -> str:
 # --------------------------------------------------------------------------- measure
 
 
-def measure(s, compiled, steps: int = 5) -> float:
-    """Median wall time of `steps` steps after two warm-up steps, on this machine."""
+def measure(s, compiled, steps: int = 5, times: list | None = None) -> float:
+    """Median wall time of `steps` steps after two warm-up steps, on this machine (`times`:
+    filled with each step's)."""
     state = s.program.init()
-    times = []
+    times = [] if times is None else times
     for i in range(steps + 2):
         batch = device_batch(s, i)
         t0 = time.perf_counter()
@@ -379,6 +371,47 @@ def measure(s, compiled, steps: int = 5) -> float:
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+NOISY_PEAK = 0.2  # the machine's peak moved by more than this share while layouts ran
+NOISY_SPREAD = 1.5  # a layout's slowest measured step over its fastest
+
+
+def noise(prof: hardware.Profile, devices: int, spreads: list[float], target=None) -> dict:
+    """Whether the measured times can be trusted: the `cpu` profile's peak measured again after
+    the layouts ran, against the one the predictions used, and the spread of each layout's steps.
+    The warning (None when neither moved) says what moved; other jobs on the machine are the
+    usual cause, and then they, not the layouts, decide the measured ranking."""
+    out = {"peak_before": prof.peak_flops, "peak_after": None, "step_spread": max(spreads),
+           "load_average": _load(), "warning": None}  # fmt: skip
+    if prof.name == "cpu" and target is None:
+        out["peak_after"] = hardware.cpu_peak(devices)
+    why = []
+    if out["peak_after"] is not None:
+        change = out["peak_after"] / prof.peak_flops - 1
+        if abs(change) > NOISY_PEAK:
+            why.append(f"this machine's peak moved {change:+.0%} while the layouts ran "
+                       f"({prof.peak_flops / 1e9:.2f} -> {out['peak_after'] / 1e9:.2f} GFLOP/s "
+                       f"per device)")  # fmt: skip
+    if out["step_spread"] > NOISY_SPREAD:
+        why.append(f"a layout's slowest step took {out['step_spread']:.1f}x its fastest")
+    if why:
+        load = out["load_average"]
+        out["warning"] = (
+            "warning: the measurements are noisy: "
+            + "; ".join(why)
+            + (f"; load average {load:.1f} on {os.cpu_count()} cores" if load is not None else "")
+            + ". Other jobs' load, not the layouts, may decide the measured ranking: measure "
+            "again on an idle machine"
+        )
+    return out
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -420,9 +453,12 @@ def measure_picks(ranked: list[Layout], k: int) -> list[Layout]:
 
 def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = None,
          measure_k: int = 0, top: int = 10, out: str | None = None, log=print,
-         axes: list[str] | None = None, target: str | None = None) -> dict:  # fmt: skip
+         axes: list[str] | None = None, target: str | None = None, recipe: str | None = None,
+         overrides: list[str] | None = None) -> dict:  # fmt: skip
     """Enumerate, compile, predict, (measure), print and return the result dict. `target`: every
-    layout compiled by that target's compiler for its devices, predicted on its profile."""
+    layout compiled by that target's compiler for its devices, predicted on its profile.
+    `recipe`, `overrides`: the --recipe and --set that gave `cfg`, for the printed commands
+    (default: the config's name, none)."""
     t = targets.get(target) if target is not None else None
     if t is not None:
         if hardware_name not in (None, t.name):
@@ -464,7 +500,8 @@ def tune(cfg: TrainConfig, devices: int | None, hardware_name: str | None = None
     devs = targets.devices(t) if t is not None else jax.devices()[:devices]
     prof = hardware.get(hardware_name, devices)
     with tempfile.TemporaryDirectory() as tmp:
-        result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes, t)
+        given = (recipe or cfg.name, list(overrides or ()))
+        result = _run(cfg, devs, prof, measure_k, top, tmp, log, axes, t, given)
     result["wall_s"] = time.perf_counter() - t_start
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -492,7 +529,9 @@ def _probe(cfg, devs, run_dir):
     return probe
 
 
-def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None) -> dict:
+def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None,
+         given=None) -> dict:  # fmt: skip
+    recipe, overrides = given or (cfg.name, [])
     n = len(devs)
     # CUDA: jaxpar compares the peak with the card; TPU: its compiler has already refused
     limit = None if target is None else target.memory_bytes if target.family == "cuda" else math.inf
@@ -577,23 +616,29 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None) -> d
         "layouts": [x.record() for x in ranked], "pruned": pruned,
         "not_compiled": f"{skipped} setting variants of meshes outside the best {VARIANT_MESHES} "
         "(remat and accumulation trade memory for time; these fit without them)",
-        "winner_command": ranked[0].command(cfg.name),
+        "winner_command": ranked[0].command(recipe, overrides),
     }  # fmt: skip
     if measure_k:
         picks = measure_picks(ranked, measure_k)
         log(f"\nmeasuring {len(picks)} layouts on this machine ...")
+        spreads = []
         for lay in picks:
             s, compiled = sessions[id(lay)]
-            lay.measured_step_s = measure(s, compiled)
+            times: list[float] = []
+            lay.measured_step_s = measure(s, compiled, times=times)
+            spreads.append(max(times) / min(times))
             log(f"  {lay.label():60s} predicted {lay.predicted_step_s * 1e3:8.2f} ms  measured "
                 f"{lay.measured_step_s * 1e3:8.2f} ms")  # fmt: skip
+        result["noise"] = noise(prof, len(devs), spreads, target)
+        if result["noise"]["warning"]:
+            log(result["noise"]["warning"])
         pred = [x.predicted_step_s for x in picks]
         meas = [x.measured_step_s for x in picks]
         best_pred = min(picks, key=lambda x: x.predicted_step_s)
         result["spearman"] = spearman(pred, meas)
         result["top1_ratio"] = best_pred.measured_step_s / min(meas)
         result["layouts"] = [x.record() for x in ranked]
-    for line in table_lines(cfg, ranked, top, pruned, result):
+    for line in table_lines(cfg, ranked, top, pruned, result, given):
         log(line)
     return result
 
@@ -654,7 +699,9 @@ def _key(x: Layout):
     return (not x.fits, x.predicted_step_s)
 
 
-def table_lines(cfg, ranked: list[Layout], top: int, pruned: list[dict], result: dict) -> list[str]:
+def table_lines(cfg, ranked: list[Layout], top: int, pruned: list[dict], result: dict,
+                given=None) -> list[str]:  # fmt: skip
+    recipe, overrides = given or (cfg.name, [])
     unit = getattr(cfg.model, "seq_len", 1) * cfg.data.global_batch
     per = "tokens/s" if hasattr(cfg.model, "seq_len") else "samples/s"
     out = ["", f"| # | mesh | settings | predicted ms | {per} | memory/device | fits | remats | "
@@ -685,7 +732,7 @@ def table_lines(cfg, ranked: list[Layout], top: int, pruned: list[dict], result:
         "no layout has involuntary rematerializations"
         if not remat
         else "\n".join(f"- {x.label()}: {x.remats} involuntary rematerialization(s); "
-                       f"jaxpar inspect --recipe {cfg.name} --mesh {x.mesh} --doctor" for x in remat)
+                       f"{x.command(recipe, overrides, 'inspect')} --doctor" for x in remat)
     )  # fmt: skip
     if "spearman" in result:
         out += ["", f"measured {sum(x.measured_step_s is not None for x in ranked)} layouts: "

@@ -203,6 +203,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     bootstrap.configure_devices()
     from jaxpar.config import apply_overrides, validate
+    from jaxpar.tools import doctor
     from jaxpar.tools.inspect import inspect, inspect_json
 
     target = None
@@ -222,13 +223,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(inspect_json(cfg, preset, tmp, target=args.target), indent=1))
         else:
+            given = doctor.inspect_command(args.recipe, args.mesh, args.overrides, args.target)
             print(inspect(cfg, preset, tmp, audit=not args.no_audit, target=args.target,
-                          with_doctor=doctor_inside))  # fmt: skip
+                          with_doctor=doctor_inside, command=given))  # fmt: skip
         if args.doctor and not doctor_inside:
-            from jaxpar.tools import doctor
 
             found = doctor.doctor(cfg, preset, tmp, target=target)
-            print("\n".join(doctor.doctor_lines(found)))
+            given = doctor.inspect_command(args.recipe, args.mesh, args.overrides, args.target)
+            print("\n".join(doctor.doctor_lines(found, given, cfg)))
     return 0
 
 
@@ -242,7 +244,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     axes = [a.strip() for a in args.axes.split(",") if a.strip()] if args.axes else None
     tune(cfg, args.devices, args.hardware, args.measure, args.top, args.out, axes=axes,
-         target=args.target)  # fmt: skip
+         target=args.target, recipe=args.recipe, overrides=args.overrides)  # fmt: skip
     return 0
 
 

@@ -167,6 +167,9 @@ class TrainConfig:
     optimizer: Any = None
     # extra (logical name, mesh axes) rules, after the preset's, for parameters and activations
     rules: tuple = ()
+    # parameter rules placed before the preset's (the first rule with free mesh axes wins), e.g.
+    # the doctor's "put parameter rule ... first"; a layout choice, so not hashed
+    param_rules_first: tuple = ()
 
 
 USER_HOOKS = ("loss", "optimizer")  # callables a recipe supplies; recorded as MODULE:QUALNAME
@@ -536,7 +539,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 f"{hook}={value!r}: a recipe sets it to a Python callable; it cannot be set "
                 f"with --set"
             )
-    for rule in cfg.rules:
+    for rule in (*cfg.rules, *cfg.param_rules_first):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ValueError(
                 f'rules: {rule!r} is not a (logical name, mesh axes) pair, e.g. [["mlp", "tensor"]]'

@@ -265,12 +265,16 @@ def build_program(
 
 def with_recipe_rules(cfg: TrainConfig, param_rules: Rules, act_rules: Rules) -> tuple:
     """The preset's rules followed by the recipe's own (TrainConfig.rules), which may name
-    logical axes outside jaxpar's vocabulary (for the recipe's model)."""
+    logical axes outside jaxpar's vocabulary (for the recipe's model); the recipe's
+    `param_rules_first` before the preset's parameter rules."""
     extra = tuple(tuple(r) for r in cfg.rules)
-    if not extra:
+    # a rule given with --set is JSON: its mesh axes a list
+    first = tuple((n, a if isinstance(a, str) or a is None else tuple(a))
+                  for n, a in cfg.param_rules_first)  # fmt: skip
+    if not extra and not first:
         return param_rules, act_rules
-    validate_rules(extra, new_names=True)
-    return (*param_rules, *extra), (*act_rules, *extra)
+    validate_rules((*first, *extra), new_names=True)
+    return (*first, *param_rules, *extra), (*act_rules, *extra)
 
 
 def abstract_model(cfg: TrainConfig) -> tuple[Any, nnx.State]:

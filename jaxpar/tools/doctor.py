@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 import threading
@@ -433,6 +435,7 @@ class Proposal:
     temp_after: int
     args_before: int = 0
     args_after: int = 0
+    first: tuple | None = None  # the parameter rule the change puts first (None: a rule dropped)
 
     def line(self) -> str:
         return (
@@ -444,10 +447,11 @@ class Proposal:
         )
 
 
-def candidate_changes(remats: list[Remat], session, preset: Preset) -> list[tuple[str, Preset]]:
+def candidate_changes(remats: list[Remat], session, preset: Preset) -> list[tuple]:
     """Rule changes that could remove the conflicts: give the moved mesh axis to another
-    dimension of the array (a rule placed first), or drop the parameter rule that placed it."""
-    out: list[tuple[str, Preset]] = []
+    dimension of the array (a rule placed first), or drop the parameter rule that placed it.
+    Each: (the change in words, the preset with it, the rule placed first or None)."""
+    out: list[tuple] = []
     names = {v[0]: v for v in _state_names(session).values()}
     for r in remats:
         for path, logical in r.arrays:
@@ -466,7 +470,7 @@ def candidate_changes(remats: list[Remat], session, preset: Preset) -> list[tupl
                         new = (other, (*cur, a) if cur else a)
                         text = f"put parameter rule {new} first"
                         out.append(
-                            (text, dataclasses.replace(preset, params=(new, *preset.params)))
+                            (text, dataclasses.replace(preset, params=(new, *preset.params)), new)
                         )
                     if rule:
                         kept = tuple(x for x in preset.params if x != rule)
@@ -474,13 +478,14 @@ def candidate_changes(remats: list[Remat], session, preset: Preset) -> list[tupl
                             (
                                 f"drop parameter rule {rule}",
                                 dataclasses.replace(preset, params=kept),
+                                None,
                             )
                         )
     seen, unique = set(), []
-    for text, p in out:
-        if text not in seen:
-            seen.add(text)
-            unique.append((text, p))
+    for item in out:
+        if item[0] not in seen:
+            seen.add(item[0])
+            unique.append(item)
     return unique
 
 
@@ -509,7 +514,7 @@ def propose(cfg, preset: Preset, run_dir: str, remats, session, base: Compiled, 
     wire0 = collectives.total_wire_bytes(collectives.audit(base.compiled, session.mesh))
     mem0 = collectives.memory(base.compiled)
     found = []
-    for text, p in candidate_changes(remats, session, preset):
+    for text, p, first in candidate_changes(remats, session, preset):
         try:
             c, s = verify(cfg, p, run_dir, devices, target)
         except ValueError:  # the change does not divide some array (or does not fit the target)
@@ -517,11 +522,61 @@ def propose(cfg, preset: Preset, run_dir: str, remats, session, base: Compiled, 
         wire = collectives.total_wire_bytes(collectives.audit(c.compiled, s.mesh))
         mem = collectives.memory(c.compiled)
         prop = Proposal(text, p, len(base.warnings), len(c.warnings), wire0, wire, mem0["temps"],
-                        mem["temps"], mem0["arguments"], mem["arguments"])  # fmt: skip
+                        mem["temps"], mem0["arguments"], mem["arguments"], first)  # fmt: skip
         if prop.remats_after < prop.remats_before:
             found.append(prop)
     # No warning left first; then the least memory (a rule dropped costs parameter sharding).
     return sorted(found, key=lambda q: (q.remats_after, q.args_after, q.wire_after))
+
+
+def apply_lines(best: Proposal, command: str | None, cfg=None) -> list[str]:
+    """How to apply a proposal: a rule placed first is the recipe's `param_rules_first` (in the
+    recipe, or --set on the command given), and a built-in preset of the same mesh that already
+    puts it first is named; a dropped rule needs a preset of one's own."""
+    if best.first is None:
+        return [f"- apply the first with a preset whose parameter rules are {best.preset.params}"]
+    have = [list(r) for r in getattr(cfg, "param_rules_first", ())]
+    rules = [*have, [best.first[0], _json_axes(best.first[1])]]
+    value = json.dumps(rules, separators=(",", ":"))
+    out = [
+        f"- apply the first: in the recipe, TrainConfig(param_rules_first=({best.first!r},)) "
+        f"(parameter rules placed before the preset's)"
+    ]
+    if command is not None:
+        out.append(f"  or run: {command} --set {shlex.quote('param_rules_first=' + value)}")
+    names = presets_with_first(best.first, best.preset.mesh)
+    if names:
+        out.append(f"  or use the built-in preset {' / '.join(names)} (same mesh), whose "
+                   f"parameter rules already put it first: --mesh {names[0]}")  # fmt: skip
+    return out
+
+
+def inspect_command(recipe: str, mesh: str | None, overrides=(), target: str | None = None) -> str:
+    """`jaxpar inspect ... --doctor` with the recipe, mesh, --set and --target as given."""
+    out = f"jaxpar inspect --recipe {shlex.quote(recipe)}"
+    out += f" --mesh {shlex.quote(mesh)}" if mesh is not None else ""
+    out += "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    out += f" --target {shlex.quote(target)}" if target is not None else ""
+    return out + " --doctor"
+
+
+def _json_axes(axes):
+    return axes if isinstance(axes, str) or axes is None else list(axes)
+
+
+def presets_with_first(rule: tuple, mesh) -> list[str]:
+    """Built-in presets of the same mesh sizes whose parameter rules start with `rule`."""
+    from jaxpar.meshes import PRESETS  # noqa: PLC0415
+
+    def sizes(m) -> dict:
+        return {a: n for a, n in m.sizes().items() if n != 1}
+
+    want = sizes(mesh)
+    out = []
+    for name, p in PRESETS.items():
+        if p.params[:1] == (rule,) and sizes(p.mesh) == want:
+            out.append(name)
+    return out
 
 
 # --------------------------------------------------------------------------- collectives
@@ -584,8 +639,10 @@ def doctor(cfg, preset: Preset, run_dir: str, devices=None, propose_fixes: bool 
     }  # fmt: skip
 
 
-def doctor_lines(result: dict) -> list[str]:
-    """The doctor's section of a report (markdown)."""
+def doctor_lines(result: dict, command: str | None = None, cfg=None) -> list[str]:
+    """The doctor's section of a report (markdown). `command`: the inspect command that gave
+    it (recipe, mesh, --set as given), for the command that applies the best change; `cfg`: its
+    config (the rules it already puts first)."""
     out = ["", "## doctor: SPMD partitioner warnings", ""]
     remats = result["remats"]
     if not remats:
@@ -597,10 +654,7 @@ def doctor_lines(result: dict) -> list[str]:
         props = result["proposals"]
         if props:
             out += [p.line() for p in props[:3]]
-            best = props[0]
-            out.append(
-                f"- apply the first with a preset whose parameter rules are {best.preset.params}"
-            )
+            out += apply_lines(props[0], command, cfg)
         else:
             out.append("- no single rule change removed them (tried moving and dropping the rules)")
     out += ["", "## doctor: largest collectives (bytes sent per device per step)", "",

@@ -544,7 +544,12 @@ class Hub:
             ex["failed"][who] = printable(str(header.get("error", "")), 200)
         q = ex["quorum"]
         members = [(g, k) for g in q for k in range(self.per_group)]
-        if all(m in ex["ok"] for m in members):
+        if all(m in ex["ok"] for m in members) and self._quorum(step) != q:
+            # a group joined at this step meanwhile (its donor gives the state it computes
+            # from): the step waits for its report, then is exchanged again over all of them
+            del self.exchanges[step]
+            self._release(step)
+        elif all(m in ex["ok"] for m in members):
             head = {"kind": "averaged", "step": step, "quorum": q, "epoch": ex["epoch"]}
             for m in members:
                 self._send(m, head)

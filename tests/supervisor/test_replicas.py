@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.support import gloo_peer
 from tests.support.helpers import cpu_env
 from tests.support.launch_util import REPO, Launch, losses, nonfinite_checkpoints, train_cmd
 
@@ -70,7 +71,8 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     faults = ["--fault", f"kill@{KILL_AT}:process=1",
               # group 0 slowed after the kill: group 1 rejoins long before the last step
               "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1.5"]  # fmt: skip
-    run = Launch(tmp_path / "run", [*nproc, *faults], train_cmd(STEPS, 4))
+    env, p2p = gloo_peer.launch_env()  # the average peer to peer (jaxpar[gloo]) where it installs
+    run = Launch(tmp_path / "run", [*nproc, *faults], train_cmd(STEPS, 4), env=env)
     try:
         # group 1 killed, restarted, back in the quorum: then the leader's supervisor is killed
         lines = _wait_for(
@@ -105,7 +107,7 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     (joined,) = [e for e in run.events("group_joined") if e["transfer"]]
     assert joined["group"] == 1 and joined["donor"] == 0
     # the leader's loss ended the job; the same command resumes it from the newest checkpoint
-    again = Launch(tmp_path / "run", nproc, train_cmd(STEPS, 4), name="again")
+    again = Launch(tmp_path / "run", nproc, train_cmd(STEPS, 4), name="again", env=env)
     try:
         assert again.wait(WAIT) == 0, again.output()
     finally:
@@ -116,6 +118,11 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     assert final["step"] == STEPS and final["quorum"] == [0, 1]
     summary = again.summary()["groups"]
     assert summary["group_steps_lost"] == 0 and summary["group_restarts"] == 0
+    # peer to peer: no gradient byte through the leader's hub, every step
+    if p2p:
+        assert summary["hub_gradient_bytes"] == 0, summary
+        assert summary["steps_peer_to_peer"] == summary["steps_released"] > 0, summary
+        assert "average peer to peer (Gloo, jaxpar[gloo])" in again.output()
 
 
 def test_a_group_hung_at_its_start_or_with_nan_gradients_is_restarted_alone(tmp_path):
@@ -204,17 +211,20 @@ def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
 
 
 def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_a_third(tmp_path):
-    """Three groups of one process: group 2 is killed; as it rejoins, its donor (group 0, the
-    quorum's lowest) is killed when asked for its state (killgive), before sending any. The
-    transfer is void: group 2 is restarted again, group 0 too; group 0 rejoins from group 1,
-    which trains throughout (started once, no step rewound), and group 2 from the quorum's
-    lowest group then."""
+    """Three groups of one process: group 2 is killed inside step 3's average (killavg: peer to
+    peer, inside the exchange, where jaxpar[gloo] installs); the others finish step 3 without
+    it, none waiting for a hang timeout. As group 2 rejoins, its donor (group 0, the quorum's
+    lowest) is killed when asked for its state (killgive), before sending any. The transfer is
+    void: group 2 is restarted again, group 0 too; group 0 rejoins from group 1, which trains
+    throughout (started once, no step rewound), and group 2 from the quorum's lowest group
+    then."""
     steps = 24  # group 1 paced at 1 s a step from step 4: both rejoin long before the end
     nproc = ["--nproc", "3", "--devices-per-proc", "1", "--groups", "3", "--min-groups", "1",
              "--max-restarts", "6"]  # fmt: skip
-    faults = ["kill@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=1"]
+    faults = ["killavg@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=1"]
+    env, p2p = gloo_peer.launch_env()
     run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
-                 train_cmd(steps, 4, "--set", "data.global_batch=24"))  # fmt: skip
+                 train_cmd(steps, 4, "--set", "data.global_batch=24"), env=env)  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
     finally:
@@ -232,3 +242,10 @@ def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_
     lines = _lines(run.run_dir)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))  # no step rewound
     assert lines[-1]["quorum"] == [0, 1, 2] and any(m["quorum"] == [1] for m in lines), lines
+    # nobody was taken for hung
+    assert not [e for e in failures if e["why"].startswith("hung")], failures
+    summary = run.summary()["groups"]
+    if p2p:  # the gradients peer to peer throughout; only the rejoins' states through the hub
+        assert lines[2]["quorum"] == [0, 1], lines[:4]  # released over those that finished it
+        assert summary["hub_gradient_bytes"] == 0 and summary["hub_state_bytes"] > 0, summary
+        assert summary["steps_peer_to_peer"] == steps, summary

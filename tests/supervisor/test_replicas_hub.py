@@ -774,3 +774,143 @@ def test_a_groups_non_finite_or_outlying_gradients_are_dropped_before_the_averag
         assert "gradient norm 1.41e+06 in step 2, more than 100 times" in failures[2], failures
     finally:
         hub.close()
+
+
+STORES = [f"127.0.0.1:{4000 + g}" for g in range(3)]  # the workers' rendezvous stores
+
+
+def _report(w: Wire, step: int, digest: str = "d", bad=(), sq: float = 1.0) -> None:
+    """A worker's report for the peer-to-peer average (two leaves: the loss, its gradients)."""
+    w.send({"kind": "report", "step": step, "bad": list(bad), "sq": sq, "digest": digest,
+            "leaves": 2, "parts": [["loss", 1], ["gradients", 1]]})  # fmt: skip
+
+
+def _exchanged(ws: list[Wire], step: int, quorum: list[int], store: str):
+    """The exchange each of `ws` (quorum's processes, in order) is told of: its epoch."""
+    heads = [w.recv()[0] for w in ws]
+    assert all(h["kind"] == "exchange" and h["step"] == step for h in heads), heads
+    assert [h["rank"] for h in heads] == list(range(len(quorum)))
+    assert {h["store"] for h in heads} == {store}  # the quorum's lowest group's
+    assert len({(h["epoch"], h["prefix"], h["world"]) for h in heads}) == 1
+    assert all(h["quorum"] == quorum and h["arrays"] == [] for h in heads)
+    return heads[0]["epoch"]
+
+
+def _reduced(w: Wire, step: int, epoch, ok: bool = True) -> None:
+    w.send({"kind": "reduced", "step": step, "epoch": epoch, "ok": ok,
+            "error": "" if ok else "RuntimeError: Connection reset by peer"})  # fmt: skip
+
+
+def test_hub_peer_to_peer_screens_reports_reforms_communicators_and_falls_back_to_itself(capsys):
+    """The peer-to-peer average as the hub sees it (workers played here): reports in, exchanges
+    out, no arrays either way. Groups of different layouts (digests) average through the hub;
+    a non-finite report drops its group before the exchange; a failed exchange is re-formed
+    fresh; the communicators are kept while the quorum is; a member silent inside an exchange
+    past the hang timeout leaves and the rest commit; a group without the engine sends its
+    shards and the others are asked for theirs."""
+    hub, events = _hub(3, min_groups=1)
+    report, reduced = _report, _reduced
+
+    def exchange(ws, step, quorum):
+        return _exchanged(ws, step, quorum, STORES[quorum[0]])
+
+    try:
+        wires = [_connect(hub, g) for g in range(3)]
+        for g, w in enumerate(wires):
+            w.send({**_ready(0), "p2p": STORES[g]})
+        assert all(w.recv()[0]["kind"] == "start" for w in wires)
+        # step 0: group 2 holds other shards: every group is asked for its shards
+        for g, w in enumerate(wires):
+            report(w, 0, digest="other" if g == 2 else "d")
+        assert all(w.recv()[0] == {"kind": "send", "step": 0, "arrays": []} for w in wires)
+        for w in wires:
+            _average(w, 0, np.array([3.0], np.float32))
+        assert all(w.recv()[1][0].tolist() == [3.0] for w in wires)
+        assert "through the group hub: the groups' layouts differ" in capsys.readouterr().err
+        hub_bytes = hub.gradient_bytes
+        # step 1: group 1's report names a non-finite leaf: out before the exchange
+        for g, w in enumerate(wires):
+            report(w, 1, bad=[1] if g == 1 else [])
+        assert wires[1].recv()[0]["kind"] == "stop"
+        assert hub.take_causes()[1].startswith("non-finite gradients in step 2")
+        survivors = [wires[0], wires[2]]
+        e1 = exchange(survivors, 1, [0, 2])
+        reduced(wires[0], 1, e1)
+        reduced(wires[2], 1, e1, ok=False)  # every member answered, one failed: formed anew
+        e2 = exchange(survivors, 1, [0, 2])
+        assert e2 != e1
+        for w in survivors:
+            reduced(w, 1, e2)
+        for w in survivors:
+            head, arrays = w.recv()
+            assert head["kind"] == "averaged" and head["epoch"] == e2 and arrays == []
+        # step 2: the same quorum keeps its communicators; group 2 goes silent inside it
+        for w in survivors:
+            report(w, 2)
+        assert exchange(survivors, 2, [0, 2]) == e2
+        reduced(wires[0], 2, e2, ok=False)  # its peer's timeout
+        _until(lambda: bool(hub.exchanges[2]["failed"]))
+        assert hub.drop_hung(30.0, now=time.time() + 31) == {
+            2: "hung: no word from inside step 3's exchange 30s after it began"}  # fmt: skip
+        assert wires[2].recv()[0]["kind"] == "stop"
+        e3 = exchange([wires[0]], 2, [0])
+        reduced(wires[0], 2, e3)
+        assert wires[0].recv()[0] == {"kind": "averaged", "step": 2, "quorum": [0], "epoch": e3,
+                                      "arrays": []}  # fmt: skip
+        assert hub.gradient_bytes == hub_bytes and hub.p2p_steps == 2
+        # step 3: group 1 is back without the engine: group 0 is asked for its shards
+        hub.running(1)
+        hub.joined[1], hub.p2p_missing[1] = 3, "jaxpar[gloo] is not installed"
+        wires[1] = _connect(hub, 1)
+        report(wires[0], 3)
+        _average(wires[1], 3, np.array([1.0], np.float32))
+        assert wires[0].recv()[0] == {"kind": "send", "step": 3, "arrays": []}
+        _average(wires[0], 3, np.array([3.0], np.float32))
+        assert [w.recv()[1][0].tolist() for w in wires[:2]] == [[2.0], [2.0]]
+        assert "group 1 cannot exchange peer to peer (jaxpar[gloo] is not installed)" in \
+            capsys.readouterr().err  # fmt: skip
+        paths = [(e["quorum"], e["exchange"]) for e in events if e["event"] == "quorum_changed"]
+        assert paths == [([0, 1, 2], "hub"), ([0, 2], "p2p"), ([0], "p2p"), ([0, 1], "hub")]
+    finally:
+        hub.close()
+
+
+def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_again():
+    """Group 2 joins while groups 0 and 1 are inside step 1's exchange: its donor gives the state
+    it computes step 1 from, so step 1 is not committed over [0, 1]: it waits for group 2's
+    report and is exchanged again over all three."""
+    hub, _ = _hub(3, min_groups=1)
+    hub.alive.discard(2)  # not started yet
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for g, w in enumerate((w0, w1)):
+            w.send({**_ready(0), "p2p": STORES[g]})
+        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        for w in (w0, w1):
+            _report(w, 0)
+        e = _exchanged([w0, w1], 0, [0, 1], STORES[0])
+        for w in (w0, w1):
+            _reduced(w, 0, e)
+        assert w0.recv()[0]["kind"] == w1.recv()[0]["kind"] == "averaged"
+        for w in (w0, w1):
+            _report(w, 1)
+        assert _exchanged([w0, w1], 1, [0, 1], STORES[0]) == e
+        hub.running(2)
+        w2 = _connect(hub, 2)
+        w2.send({**_ready(0), "p2p": STORES[2]})
+        assert w0.recv()[0] == {"kind": "give_state", "step": 1, "arrays": []}
+        for w in (w0, w1):
+            _reduced(w, 1, e)
+        _state(w0, 1, [np.array([9.0, 8.0], np.float32), np.array(1, np.int32)])
+        assert w2.recv()[0]["kind"] == "state"
+        _report(w2, 1)
+        e2 = _exchanged([w0, w1, w2], 1, [0, 1, 2], STORES[0])
+        assert e2 != e
+        for w in (w0, w1, w2):
+            _reduced(w, 1, e2)
+        for w in (w0, w1, w2):
+            assert w.recv()[0] == {"kind": "averaged", "step": 1, "quorum": [0, 1, 2],
+                                   "epoch": e2, "arrays": []}  # fmt: skip
+        assert hub.p2p_steps == 2 and hub.gradient_bytes == 0 and hub.state_bytes > 0
+    finally:
+        hub.close()

@@ -19,7 +19,6 @@ equal.
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import json
 import os
@@ -129,20 +128,6 @@ class Engine:
         return out
 
 
-@functools.lru_cache(maxsize=8192)
-def holders(sharding, shape: tuple[int, ...]) -> dict:
-    """Index (the wire's [start0, stop0, ...]) -> the processes of the group that hold it."""
-    out: dict[tuple, set] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        key = []
-        for d, n in enumerate(shape):
-            sl = index[d] if d < len(index) else slice(None)
-            start, stop, _ = sl.indices(n)
-            key += [start, stop]
-        out.setdefault(tuple(key), set()).add(device.process_index)
-    return {k: tuple(sorted(v)) for k, v in out.items()}
-
-
 class Plan:
     """How one process's held shards of a tree are summed: classes of (holders, dtype), each a
     list of (leaf, index) in canonical order; `digest` names it (equal across groups of the same
@@ -197,4 +182,4 @@ def screen(pieces: list[tuple[int, np.ndarray]], norm_of: range | None) -> tuple
     return sorted(bad), squares
 
 
-__all__ = ["ENV_EXCHANGE", "EXTRA", "Engine", "Plan", "holders", "screen"]
+__all__ = ["ENV_EXCHANGE", "EXTRA", "Engine", "Plan", "screen"]

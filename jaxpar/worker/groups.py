@@ -123,6 +123,16 @@ def _leaf_layout(sharding, shape: tuple[int, ...]) -> tuple[list, list, dict]:
     return have, [k for k in have if owner[k] in here], here
 
 
+@functools.lru_cache(maxsize=8192)
+def _holders(sharding, shape: tuple[int, ...]) -> dict:
+    """Index -> the processes of the group holding it (sorted): how the peer-to-peer average
+    groups a process's shards (jaxpar/worker/group_exchange.py's Plan)."""
+    out: dict[tuple, set] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        out.setdefault(_key(index, shape), set()).add(device.process_index)
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
 def tree_pieces(tree: Any, send: str) -> tuple[dict, list[np.ndarray]]:
     """`tree`'s layout header fields and this process's pieces of it to `send`: "owned" (a
     step's average: each group's processes tile every leaf once), "held" (every distinct shard
@@ -372,7 +382,7 @@ class GroupLink:
             keys, held_by = [], []
             for sharding, shape, _ in key:
                 keys.append(_leaf_layout(sharding, shape)[0])
-                held_by.append(group_exchange.holders(sharding, shape))
+                held_by.append(_holders(sharding, shape))
             plan = self._plans[key] = group_exchange.Plan(
                 keys, held_by, [k[2] for k in key], [k[1] for k in key]
             )

@@ -256,6 +256,8 @@ class Hub:
         elif kind == "state":
             self.state_bytes += sum(a.nbytes for a in arrays)
             self._forward_state(who, header, arrays)
+        elif kind == "state_sent":
+            self._state_sent(who, header)
         elif kind == "listen":  # DiLoCo: the donor's replicas are this group's; not counted
             step = int(header.get("step", -1))
             if self.joined.get(g) != step:
@@ -311,7 +313,8 @@ class Hub:
             self.void.append(g)
             return
         self.transfers[g] = {"donor": q[0], "step": None, "asked": set(), "got": {},
-                             "sent": set(), "t": time.time(), "resharded": False}  # fmt: skip
+                             "sent": set(), "t": time.time(), "resharded": False,
+                             "p2p": False}  # fmt: skip
         if q[0] not in self.outer_only:
             for k in range(self.per_group):
                 self._ask_state((q[0], k), self.next_step)
@@ -358,11 +361,63 @@ class Hub:
             if t["step"] is None:  # the donor's first step from now: the joining group's too
                 t["step"] = step
                 self.joined[j] = step
+                t["p2p"] = self._p2p_transfer(t["donor"], j)
             if t["step"] == step and who[1] not in t["asked"]:
                 t["asked"].add(who[1])
-                ask = True
+                if t["p2p"]:
+                    self._give_p2p(j, t, who[1])
+                else:
+                    ask = True
         if ask:  # one copy of the state serves every group joining at this step
             self._send(who, {"kind": "give_state", "step": step})
+
+    def _p2p_transfer(self, d: int, j: int) -> bool:
+        """Whether donor group `d` gives joining group `j` its state peer to peer: both have the
+        engine and process k of `j` holds exactly the shards process k of `d` holds."""
+        if d in self.outer_only:
+            return False
+        for k in range(self.per_group):
+            if (d, k) not in self.p2p or (j, k) not in self.p2p:
+                return False
+            want, have = self.layouts.get((j, k)), self.layouts.get((d, k))
+            if want is None or have is None or want.need != have.need:
+                return False
+        return True
+
+    def _give_p2p(self, j: int, t: dict, k: int) -> None:
+        """Ask donor process k for its state for joining group `j`, peer to peer: the donor's
+        process is rank 0 of a communicator of two with `j`'s process k, at the donor's store,
+        under a prefix with a secret made here; only the checksum comes through the hub."""
+        self.epoch += 1
+        spec = {"store": self.p2p[(t["donor"], k)], "world": 2, "timeout_s": self.hang_s,
+                "prefix": f"jaxpar/state/{self.epoch}/{secrets.token_hex(16)}"}  # fmt: skip
+        self._send((t["donor"], k), {"kind": "give_state", "step": t["step"], "p2p": spec})
+        self._send((j, k), {"kind": "receive_state", "step": t["step"], "rank": 1,
+                            "donor": t["donor"], **spec})  # fmt: skip
+
+    def _state_sent(self, who: tuple[int, int], header: dict) -> None:
+        """Donor process `who` sent its state peer to peer (its checksum here, forwarded to the
+        joining process, which checks what it received), or failed to: the transfer is void."""
+        g, k = who
+        check, error = header.get("checksum"), header.get("error")
+        for j, t in list(self.transfers.items()):
+            if not t.get("p2p") or t["donor"] != g or header.get("step") != t["step"]:
+                continue
+            if k in t["sent"] or k not in t["asked"]:
+                continue
+            if error is not None or not isinstance(check, str) or len(check) != 64:
+                self.void.append(j)
+                self._drop(j, f"the state transfer to it failed ({printable(str(error), 200)})")
+                continue
+            head = {"kind": "state", "step": t["step"], "checksum": check, "p2p": True,
+                    "quorum": self._quorum(t["step"])}  # fmt: skip
+            self._send((j, k), head)
+            t["sent"].add(k)
+            if len(t["sent"]) == self.per_group:
+                del self.transfers[j]
+                self.event(GROUP_JOINED, group=j, step=t["step"], transfer=True,
+                           donor=t["donor"], resharded=False, p2p=True,
+                           seconds=round(time.time() - t["t"], 3))  # fmt: skip
 
     def _quorum(self, step: int) -> list[int]:
         return sorted(g for g, first in self.joined.items() if first <= step and g in self.alive)
@@ -616,7 +671,7 @@ class Hub:
         g, k = who
         layout = group_layout.parse(header, arrays)
         for j, t in list(self.transfers.items()):
-            if t["donor"] != g or k in t["got"] or header.get("step") != t["step"]:
+            if t["donor"] != g or k in t["got"] or header.get("step") != t["step"] or t["p2p"]:
                 continue
             t["got"][k] = (layout, arrays, header.get("checksum"))
             self._pass_state(j, t)

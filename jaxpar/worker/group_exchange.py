@@ -31,7 +31,8 @@ EXTRA = "jaxpar[gloo]"
 ENV_EXCHANGE = "JAXPAR_GROUP_EXCHANGE"
 # what Gloo sums here (the wire's dtypes less bool and the unsigned ones Gloo has no sum for)
 SUMMED = frozenset(("float16", "float32", "float64", "int8", "int32", "int64", "uint8"))
-STARTUP_S = 120.0  # importing torch and starting the store, beside the programs' compilation
+STARTUP_S = 120.0
+TRANSFER_CHUNK = 1 << 28  # a state transfer's broadcasts: 256 MiB each  # importing torch and starting the store, beside the programs' compilation
 
 
 class Engine:
@@ -114,6 +115,29 @@ class Engine:
             pg.abort()
         except Exception:  # noqa: BLE001 - best effort: its threads end at their timeout
             pass
+
+    def transfer(self, spec: dict, buffer: np.ndarray) -> None:
+        """A state transfer peer to peer (`spec` from the hub: rank 0 the donor's process, the
+        others the joining groups' processes holding the same shards): `buffer` (bytes) is sent
+        from rank 0 into every other rank's, in a communicator of its own, dropped after."""
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
+        host, _, port = str(spec["store"]).rpartition(":")
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                              wait_for_workers=False, timeout=timeout)  # fmt: skip
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(str(spec["prefix"]), store),
+                                   int(spec["rank"]), int(spec["world"]), opts)  # fmt: skip
+        try:
+            flat = buffer.reshape(-1).view(np.uint8)
+            for at in range(0, max(flat.size, 1), TRANSFER_CHUNK):
+                pg.broadcast(torch.from_numpy(flat[at : at + TRANSFER_CHUNK]), 0).wait()
+        finally:
+            self._abort(pg)
 
     def sums(self, spec: dict, buffers: list[np.ndarray]) -> list[np.ndarray]:
         """Every buffer summed over exchange `spec`'s members (new arrays; `buffers` unchanged)."""

@@ -181,6 +181,25 @@ def tree_from_pieces(like: Any, arrays: list[np.ndarray]) -> Any:
 # ---- the link to the hub ------------------------------------------------------------------------
 
 
+def _packed(arrays: list[np.ndarray]) -> np.ndarray:
+    """`arrays`' bytes back to back (a copy): a state transfer's buffer."""
+    out = np.empty(sum(a.nbytes for a in arrays), np.uint8)
+    at = 0
+    for a in arrays:
+        out[at : at + a.nbytes] = group_wire.contiguous(a).reshape(-1).view(np.uint8)
+        at += a.nbytes
+    return out
+
+
+def _unpacked(buffer: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """Arrays of `like`'s shapes and dtypes read from `buffer` (views)."""
+    out, at = [], 0
+    for a in like:
+        out.append(buffer[at : at + a.nbytes].view(a.dtype).reshape(a.shape))
+        at += a.nbytes
+    return out
+
+
 @dataclasses.dataclass
 class _Sums:
     """An exchange's end, from its thread: the sums, or why it failed."""
@@ -190,6 +209,23 @@ class _Sums:
     error: str | None
 
 
+_ENGINE: list = []
+
+
+def engine() -> group_exchange.Engine:
+    """This process's peer-to-peer engine, started on first use (importing torch and starting its
+    store in a thread of its own: `compile_halves` starts it beside the compilation), its store
+    on the address this host reaches the hub from."""
+    if not _ENGINE:
+        host, _, port = group_wire.group_env()["hub"].rpartition(":")
+        host = host.strip("[]")
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_DGRAM) as probe:  # fmt: skip
+            probe.connect((host, int(port)))  # no packet: the route's local address
+            _ENGINE.append(group_exchange.Engine(probe.getsockname()[0]))
+    return _ENGINE[0]
+
+
 def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
     """The group's step programs, compiled ahead of the first step through the compiled-program
     cache (a restarted group loads them): ((gradients, update), seconds); with DiLoCo
@@ -197,6 +233,7 @@ def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
     steps stay inside the group and only the outer step's mean crosses groups."""
     from jaxpar.recovery import compile_cache
 
+    engine()  # torch's import and the store beside the compilation
     t0 = time.time()
     parts, shardings = program.parts, program.state_shardings
     state = program.abstract_state
@@ -256,8 +293,7 @@ class GroupLink:
         hello = {"group": self.group, "rank": self.rank, "nproc": jax.process_count(),
                  "pid": os.getpid()}  # fmt: skip
         self.wire = group_wire.client_handshake(sock, env["key"], hello)
-        # the peer-to-peer average (jaxpar[gloo]): its store on the address the hub sees
-        self.engine = group_exchange.Engine(sock.getsockname()[0])
+        self.engine = engine()  # the peer-to-peer average (jaxpar[gloo]), started already
         self._plans: dict = {}
         self._inbox: queue.Queue = queue.Queue()
         # (step, state) of the step this process computes, until its update takes the state
@@ -286,6 +322,18 @@ class GroupLink:
         ready.update({"p2p": store} if store else {"p2p_missing": str(self.engine.missing)[:300]})
         self.wire.send({**ready, **fields})
         header, arrays = self._recv()
+        if header.get("kind") == "receive_state":  # peer to peer from the donor's process
+            _, mine = tree_pieces(state, "held")  # what comes: the shards this process holds
+            buffer = np.empty(sum(a.nbytes for a in mine), np.uint8)
+            try:
+                self.engine.transfer(header, buffer)
+            except Exception as e:  # noqa: BLE001 - this group is restarted
+                raise WireError(f"the state transfer from group {header.get('donor')} failed "
+                                f"({type(e).__name__}: {e})") from e  # fmt: skip
+            arrays = _unpacked(buffer, mine)
+            header, _ = self._recv()  # the donor's checksum, through the hub
+            if header.get("kind") != "state" or not header.get("p2p"):
+                raise WireError(f"expected the state's checksum, got {str(header)[:80]}")
         self.quorum = [int(g) for g in header.get("quorum", [])]
         self.leads = bool(self.quorum) and self.group == min(self.quorum)
         if header.get("kind") == "start":
@@ -313,17 +361,19 @@ class GroupLink:
             while True:
                 header, arrays = self.wire.recv()
                 if header.get("kind") == "give_state":  # answered beside the reading
-                    step = int(header.get("step", -1))
-                    threading.Thread(target=self._give, args=(step,), daemon=True).start()
+                    step, spec = int(header.get("step", -1)), header.get("p2p")
+                    threading.Thread(target=self._give, args=(step, spec), daemon=True).start()
                 else:
                     self._inbox.put((header, arrays))
         except Exception as e:  # noqa: BLE001 - the training thread raises it as WireError
             self._inbox.put(e)
 
-    def _give(self, step: int) -> None:
+    def _give(self, step: int, spec: dict | None = None) -> None:
         """Send the hub this process's shards of the state `step` started from, once this
         process computes `step` (it may still be in the update of the step before). A step
-        already behind it means the joining group was dropped: nothing is sent."""
+        already behind it means the joining group was dropped: nothing is sent. With `spec`
+        (the hub's, when the joining process holds the same shards and both have the engine)
+        the shards go peer to peer to it, and only their checksum through the hub."""
         with self._current_cv:
             while not self._closed and (self._current is None or self._current[0] < step):
                 self._current_cv.wait(1.0)
@@ -333,8 +383,20 @@ class GroupLink:
                 self.faults.before_give(step)
             # under the lock: the update, which takes (donates) the state, waits for the copy
             fields, arrays = tree_pieces(self._current[1], "held")
-        header = {"kind": "state", "step": step, **fields, "checksum": group_wire.checksum(arrays)}
-        self.wire.send(header, arrays)
+            if spec is not None:
+                buffer = _packed(arrays)
+        if spec is None:
+            header = {"kind": "state", "step": step, **fields,
+                      "checksum": group_wire.checksum(arrays)}  # fmt: skip
+            self.wire.send(header, arrays)
+            return
+        reply = {"kind": "state_sent", "step": step,
+                 "checksum": group_wire.checksum(_unpacked(buffer, arrays))}  # fmt: skip
+        try:
+            self.engine.transfer({**spec, "rank": 0}, buffer)
+        except Exception as e:  # noqa: BLE001 - said to the hub, which voids the transfer
+            reply = {"kind": "state_sent", "step": step, "error": f"{type(e).__name__}: {e}"[:300]}
+        self.wire.send(reply)
 
     def _computing(self, step: int | None, state: dict | None = None) -> None:
         """Publish the step this process computes from `state` (None: its update takes it)."""

@@ -106,6 +106,7 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
     assert quorum[KILL_AT] == [0]  # group 1 died while group 0 waited in step KILL_AT
     (joined,) = [e for e in run.events("group_joined") if e["transfer"]]
     assert joined["group"] == 1 and joined["donor"] == 0
+    assert joined.get("p2p", False) == p2p, joined  # the state from group 0's processes
     # the leader's loss ended the job; the same command resumes it from the newest checkpoint
     again = Launch(tmp_path / "run", nproc, train_cmd(STEPS, 4), name="again", env=env)
     try:
@@ -245,7 +246,8 @@ def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_
     # nobody was taken for hung
     assert not [e for e in failures if e["why"].startswith("hung")], failures
     summary = run.summary()["groups"]
-    if p2p:  # the gradients peer to peer throughout; only the rejoins' states through the hub
+    if p2p:  # gradients and states peer to peer throughout: no tensor byte through the hub
         assert lines[2]["quorum"] == [0, 1], lines[:4]  # released over those that finished it
-        assert summary["hub_gradient_bytes"] == 0 and summary["hub_state_bytes"] > 0, summary
+        assert summary["hub_gradient_bytes"] == summary["hub_state_bytes"] == 0, summary
         assert summary["steps_peer_to_peer"] == steps, summary
+        assert all(e.get("p2p") for e in joined), joined

@@ -877,9 +877,10 @@ def test_hub_peer_to_peer_screens_reports_reforms_communicators_and_falls_back_t
 
 def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_again():
     """Group 2 joins while groups 0 and 1 are inside step 1's exchange: its donor gives the state
-    it computes step 1 from, so step 1 is not committed over [0, 1]: it waits for group 2's
-    report and is exchanged again over all three."""
-    hub, _ = _hub(3, min_groups=1)
+    it computes step 1 from (peer to peer: only its checksum through the hub), so step 1 is not
+    committed over [0, 1]: it waits for group 2's report and is exchanged again over all
+    three."""
+    hub, events = _hub(3, min_groups=1)
     hub.alive.discard(2)  # not started yet
     try:
         w0, w1 = _connect(hub, 0), _connect(hub, 1)
@@ -898,11 +899,18 @@ def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_ag
         hub.running(2)
         w2 = _connect(hub, 2)
         w2.send({**_ready(0), "p2p": STORES[2]})
-        assert w0.recv()[0] == {"kind": "give_state", "step": 1, "arrays": []}
+        # the same layout and the engine on both sides: the state goes peer to peer, group 0's
+        # process to group 2's, in a communicator of two at group 0's store
+        give, receive = w0.recv()[0], w2.recv()[0]
+        assert give["kind"] == "give_state" and give["step"] == 1, give
+        assert receive["kind"] == "receive_state" and receive["rank"] == 1, receive
+        assert give["p2p"]["store"] == receive["store"] == STORES[0]
+        assert give["p2p"]["prefix"] == receive["prefix"] and receive["world"] == 2
         for w in (w0, w1):
             _reduced(w, 1, e)
-        _state(w0, 1, [np.array([9.0, 8.0], np.float32), np.array(1, np.int32)])
-        assert w2.recv()[0]["kind"] == "state"
+        w0.send({"kind": "state_sent", "step": 1, "checksum": "c" * 64})
+        assert w2.recv()[0] == {"kind": "state", "step": 1, "checksum": "c" * 64, "p2p": True,
+                                "quorum": [0, 1, 2], "arrays": []}  # fmt: skip
         _report(w2, 1)
         e2 = _exchanged([w0, w1, w2], 1, [0, 1, 2], STORES[0])
         assert e2 != e
@@ -911,6 +919,8 @@ def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_ag
         for w in (w0, w1, w2):
             assert w.recv()[0] == {"kind": "averaged", "step": 1, "quorum": [0, 1, 2],
                                    "epoch": e2, "arrays": []}  # fmt: skip
-        assert hub.p2p_steps == 2 and hub.gradient_bytes == 0 and hub.state_bytes > 0
+        assert hub.p2p_steps == 2 and hub.gradient_bytes == hub.state_bytes == 0
+        (joined,) = [e for e in events if e["event"] == "group_joined" and e["transfer"]]
+        assert joined["group"] == 2 and joined["donor"] == 0 and joined["p2p"], joined
     finally:
         hub.close()

@@ -23,6 +23,7 @@ import time
 
 import psutil
 
+from jaxpar.bench import recovery_peer
 from jaxpar.bench.harness import Bench, table
 from jaxpar.rundir import runlog
 from jaxpar.rundir.goodput import ledger_of
@@ -45,9 +46,10 @@ FULL = {
     "cycles": 4,
     "nproc": 4,
     "standby_slow_s": 5.0,
+    "peer": True,  # the same kills in a torchrun + DDP + DCP job (recovery_peer.py)
 }
 QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (10.0,), "goodput_paths": ("standby",),
-         "cycles": 1, "nproc": 2, "standby_slow_s": 20.0}  # fmt: skip
+         "cycles": 1, "nproc": 2, "standby_slow_s": 20.0, "peer": False}  # fmt: skip
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),
     "persistent": ([], ["ckpt.local_every=0"]),
@@ -209,6 +211,11 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
     events = read_jsonl(os.path.join(run_dir, runlog.EVENTS))
     restarted = [e for e in events if e.get("incarnation", 0) > 0]
     lost = _lost_steps(run_dir, events)
+    metrics = [m for m in read_jsonl(os.path.join(run_dir, runlog.METRICS)) if "loss" in m]
+    firsts = {}  # each incarnation's first step: not a steady one
+    for m in metrics:
+        firsts.setdefault(m.get("incarnation", 0), m["step"])
+    steady = [m["step_time_s"] for m in metrics if firsts[m.get("incarnation", 0)] != m["step"]]
     out = {
         "mode": mode,
         "exit_code": code,
@@ -230,6 +237,7 @@ def measure_recovery(mode: str, recipe: str, p: dict, overrides: list[str], root
         ],
         "lost_steps": _median(lost),
         "lost_steps_each": lost,
+        "steady_step_s": _median(steady),
         **rss,  # standby paths: the waiting standby group's and the running group's peak RSS
     }
     for phase in PHASES:
@@ -343,6 +351,30 @@ def _table(rec: list[dict], good: list[dict]) -> str:
     ])  # fmt: skip
 
 
+def _peer_text(t: dict, local: dict) -> str:
+    """The torchrun job's row (its own phases), and the local path against it."""
+    if t["status"] != "ok":
+        return f"torchrun + DDP + DCP: {t['status']} ({t.get('reason', '')})"
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    header = ["job", "kills", "recovery s (median)", "steps lost", "to start", "init", "restore",
+              "first step", "steady step"]  # fmt: skip
+    row = ["torchrun + DDP + DCP", t["kills"], f(t["recovery_s"]), f(t["lost_steps"]),
+           f(t["to_start_s"]), f(t["init_s"]), f(t["restore_s"]), f(t["first_step_s"]),
+           f(t["steady_step_s"])]  # fmt: skip
+    text = table(header, [row], "---|" + "|".join(["---:"] * 8))
+    text += f"\n\ntorch {t.get('torch')}; every recovery (s): " + ", ".join(
+        f"{e['recovery_s']:.2f}" for e in t["recoveries"]
+    )
+    if local.get("recovery_s") and t.get("recovery_s"):
+        text += (f"\n\nlocal (spares + RAM snapshots) / torchrun: {local['recovery_s']:.2f} s / "
+                 f"{t['recovery_s']:.2f} s = {local['recovery_s'] / t['recovery_s']:.2f}; "
+                 f"jaxpar's steady step {f(local.get('steady_step_s'))} s")  # fmt: skip
+    return text
+
+
 def selected(paths: tuple[str, ...]) -> list[str]:
     """The restart paths to measure (`--paths`), in MODES order; all when none are named."""
     unknown = [m for m in paths if m not in MODES]
@@ -365,6 +397,8 @@ def run(b: Bench) -> dict:
         rec = [measure_recovery(m, recipe, p, overrides, root) for m in modes]
         good = [measure_goodput(m, t, p, recipe, overrides, root)
                 for m in p["goodput_paths"] if m in modes for t in p["periods"]]  # fmt: skip
+        torchrun = (recovery_peer.torchrun_side(p, root, batch=32)
+                    if p["peer"] and recipe == "gpt_tiny" and not overrides else None)  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
     by_mode = {r["mode"]: r for r in rec}
@@ -392,8 +426,16 @@ def run(b: Bench) -> dict:
         "standby_peak_rss_mb": standby.get("standby_peak_rss_mb"),
         "standby_hang_s": hang["recovery_s"],
         "goodput": good,
+        "torchrun": torchrun,
+        "local_over_torchrun": (
+            fast["recovery_s"] / torchrun["recovery_s"]
+            if fast["recovery_s"] and torchrun and torchrun.get("recovery_s")
+            else None
+        ),  # fmt: skip
     }
     text = _table(rec, good)
+    if torchrun is not None:
+        text += "\n\n" + _peer_text(torchrun, fast)
     said = []
     if ratio:
         said.append(f"{fast['recovery_s']:.1f}s with spares + compile cache + local snapshots, "

@@ -31,6 +31,12 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--batch", type=int, default=8, help="examples per process per step")
     p.add_argument("--min-groups", type=int, default=2)
+    model_args(p)
+    return p.parse_args(argv)
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape (gpt_tiny's) and learning rate (recovery_torchrun.py's too)."""
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
@@ -38,7 +44,6 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-mlp", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
-    return p.parse_args(argv)
 
 
 def _write_pid(out: str, group: int, rank: int) -> None:

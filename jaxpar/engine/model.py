@@ -54,8 +54,33 @@ class ModelDef:
         return [f"{jax.tree_util.keystr(p)} ({type(v).__name__})" for p, v in leaves]
 
 
+# The jax settings an abstract model's dtypes depend on (a prebuilt model is used only under
+# the same values)
+DTYPE_FLAGS = ("jax_enable_x64", "jax_default_dtype_bits", "jax_numpy_dtype_promotion")
+_PREBUILT: list = []  # [(key, ModelDef)]: built ahead by a spare worker, each used once
+
+
+def _prebuilt_key(model_cfg: Any, seed: int) -> tuple:
+    return (model_cfg, seed, tuple(jax.config.values.get(f) for f in DTYPE_FLAGS))
+
+
+def prebuild(model_cfg: Any, seed: int) -> None:
+    """Build `abstract(model_cfg, seed)` now (it needs no devices: a spare worker does it before
+    a failure); the next `abstract` call with an equal config and seed returns it."""
+    _PREBUILT.append((_prebuilt_key(model_cfg, seed), _abstract(model_cfg, seed)))
+
+
 def abstract(model_cfg: Any, seed: int) -> ModelDef:
     """The model built under eval_shape and split into params / state / rng streams."""
+    key = _prebuilt_key(model_cfg, seed)
+    for i, (k, mdef) in enumerate(_PREBUILT):
+        if k == key:
+            del _PREBUILT[i]
+            return mdef
+    return _abstract(model_cfg, seed)
+
+
+def _abstract(model_cfg: Any, seed: int) -> ModelDef:
     model = nnx.eval_shape(lambda: build(model_cfg, seed))
     graphdef, params, rngs, state = nnx.split(model, nnx.Param, nnx.RngState, ...)
     return ModelDef(graphdef, params, state, rngs, takes_key(model))

@@ -14,7 +14,10 @@ like their parameters). The model graph is rebuilt inside the traced step with `
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -345,3 +348,26 @@ def make_eval_step(mdef: ModelDef, loss: LossFn, mesh: Mesh, act_rules: Rules, p
 
 def param_bytes(abstract_params: dict) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))
+
+
+# jaxpar's code a train step is traced from: the model, losses, layouts and data specs
+PROGRAM_CODE = ("engine", "parallel", "data", "config.py", "contract.py", "_layout.py",
+                "_compat.py", "usercode.py")  # fmt: skip
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 over the sources a train step is traced from (PROGRAM_CODE; the spare computes it
+    before it is needed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jaxpar/
+    h = hashlib.sha256()
+    for part in PROGRAM_CODE:
+        path = os.path.join(root, part)
+        files = [path] if part.endswith(".py") else sorted(
+            os.path.join(folder, name) for folder, _, names in os.walk(path)
+            for name in names if name.endswith(".py"))  # fmt: skip
+        for name in sorted(files):
+            h.update(os.path.relpath(name, root).encode() + b"\0")
+            with open(name, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()

@@ -18,6 +18,8 @@ replaces itself with the command (`os.execvpe`) — correct, just not faster.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -89,6 +91,39 @@ def preload(target: str | None) -> None:
             importlib.import_module(name.split(".")[0])
         except ImportError:
             pass
+    from jaxpar.parallel.program import code_digest
+
+    code_digest()  # part of the train step's cache key: read now, not after a failure
+    prebuild_model(os.environ.get(bootstrap.ENV_RUN_DIR))
+    # What is imported now lives as long as the process: out of the collector's sight, so a
+    # full collection while the worker traces and restores does not walk it again
+    gc.collect()
+    gc.freeze()
+
+
+def prebuild_model(run_dir: str | None) -> None:
+    """Build the run's model abstractly (engine.model.prebuild: no devices needed) from the
+    config.json the running group wrote, for the worker this spare becomes; it also warms jax's
+    tracing caches. Anything unexpected (no config, a model class that will not import) leaves
+    the build to the worker."""
+    from jaxpar.engine import model as model_lib
+
+    if not run_dir:
+        return
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            raw = json.load(f)
+        values = raw["model"]
+        module, _, qualname = values["_class"].partition(":")
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: tuple(v) if isinstance(v, list) else v
+                  for k, v in values.items() if k in names}  # fmt: skip
+        model_lib.prebuild(cls(**kwargs), int(raw["train"]["seed"]))
+    except Exception as e:  # noqa: BLE001 - the worker builds it as a cold start does
+        print(f"spare: model not prebuilt ({type(e).__name__}: {e})", flush=True)
 
 
 def _script_dir(script: str) -> str:

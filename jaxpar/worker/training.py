@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
+import json
 import os
 import sys
 import time
@@ -26,7 +28,7 @@ from jaxpar.data import sources as data_lib
 from jaxpar.engine.losses import VECTOR_METRICS
 from jaxpar.engine.mesh import MeshSpec, make_mesh
 from jaxpar.engine.rules import Preset, validate_rules
-from jaxpar.parallel.program import Program, build_program
+from jaxpar.parallel.program import Program, build_program, code_digest
 from jaxpar.recovery import compile_cache
 from jaxpar.recovery.checkpoint import (
     Checkpointer,
@@ -35,6 +37,7 @@ from jaxpar.recovery.checkpoint import (
     warm_replica_check,
 )
 from jaxpar.recovery.checkpoint import preflight as checkpoint_preflight
+from jaxpar.recovery.local_tier_store import exchange
 from jaxpar.recovery.tiers import (
     PersistentTier,
     Tier,
@@ -225,9 +228,42 @@ def compile_step(s: Session):
     if groups.active():
         return groups.compile_halves(s.program, _abstract_batch(s))
     t0 = time.time()
-    lowered = s.program.train_step.lower(s.program.abstract_state, _abstract_batch(s))
-    compiled, _ = compile_cache.compile(lowered, "train_step")
+    batch = _abstract_batch(s)
+
+    def lower() -> jax.stages.Lowered:
+        return s.program.train_step.lower(s.program.abstract_state, batch)
+
+    parts = step_parts(s, batch)
+    if parts is None:  # code of the user's own in the step: keyed by the lowered program
+        compiled, _ = compile_cache.compile(lower(), "train_step")
+    else:  # all jaxpar's own: a cached step loads without tracing and lowering it again
+        compiled, _ = compile_cache.compile_by_key("train_step", parts, lower)
     return compiled, time.time() - t0
+
+
+def step_parts(s: Session, batch: dict) -> tuple | None:
+    """What fixes the train step's program when all of it is jaxpar's own code (a built-in
+    model, loss and optimizer): the whole config, the layout, the abstract state and batch with
+    their shardings, jaxpar's sources and the versions and flags of the libraries that trace
+    it. None when a recipe brings code of its own (a loss, an optimizer, a model class): its
+    program is then keyed by its lowered text (compile_cache.compile)."""
+    cfg = s.cfg
+    if cfg.loss is not None or cfg.optimizer is not None:
+        return None
+    if not type(cfg.model).__module__.startswith("jaxpar."):
+        return None
+    import flax
+    import optax
+
+    leaves = [(a.shape, str(a.dtype), repr(a.sharding)) for a in
+              jax.tree.leaves((s.program.abstract_state, batch))]  # fmt: skip
+    return (
+        "train_step", json.dumps(to_dict(cfg), sort_keys=True, default=repr), repr(s.preset),
+        str(s.source.kind), repr(jax.tree.structure((s.program.abstract_state, batch))),
+        repr(leaves), repr([d.id for d in s.mesh.devices.flat]), code_digest(),
+        flax.__version__, optax.__version__, np.__version__,
+        repr(sorted(jax.config.values.items())),
+    )  # fmt: skip
 
 
 def eval_program(s: Session):
@@ -389,6 +425,9 @@ def _first_state(s: Session):
     return init
 
 
+_STARTS = itertools.count()  # names of the start's exchanges, unique within a process
+
+
 def take_lock(s: Session) -> ownership.RunDirLock | None:
     """The run directory's lock: process 0 takes it (or runs under its supervisor's) for every
     process; RunDirLocked on all processes when another run holds it."""
@@ -398,9 +437,9 @@ def take_lock(s: Session) -> ownership.RunDirLock | None:
             lock = ownership.acquire_or_inherit(s.run.path, "python -m train")
         except ownership.RunDirLocked as e:
             error = str(e)
-    ok = np.int32(not error)
-    if jax.process_count() > 1:
-        ok = multihost_utils.broadcast_one_to_all(ok)
+    # through the coordination service: a collective here compiled a program at every start
+    tag = f"lock/{next(_STARTS)}"  # every process takes it in the same order
+    ok = not exchange(tag, error)[0] if jax.process_count() > 1 else not error
     if not ok:
         raise ownership.RunDirLocked(error or ownership.locked_message(s.run.path))
     if lock is not None and lock.took_over and lock.took_over.get("pid"):
@@ -506,8 +545,9 @@ def begin_incarnation(s: Session) -> None:
             say(f"{s.run.file(name)}: skipped {bad} unreadable line(s) (torn or not JSON)")
         for text in warnings_for(cfg):
             say(f"warning: {text}")
-    if jax.process_count() > 1:  # all processes counted earlier starts before this one is logged
-        multihost_utils.sync_global_devices("jaxpar_start")
+    # all processes counted earlier starts before this one is logged (the coordination
+    # service's barrier: a collective compiled a program at every start)
+    bootstrap.barrier(f"jaxpar_start_{next(_STARTS)}")
     s.run.write_incarnation()
     mesh_text = str(MeshSpec(**dict(s.mesh.shape)))
     warning = contract.unsharded_warning(s.program.param_logical)

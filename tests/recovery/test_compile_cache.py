@@ -190,3 +190,23 @@ def test_programs_from_jax_persistent_cache_are_not_stored(tmp_path):
         out = ok(run([*cmd, ours], timeout=300)).stdout.split()
         assert out == first  # not a hit of ours, the same value
         assert not os.path.exists(ours) or os.listdir(ours) == []
+
+
+def test_train_step_key_covers_the_config_and_leaves_out_a_recipes_own_code():
+    """The train step is keyed without lowering only when all of it is jaxpar's own code; any
+    change of the config (here the learning rate) is another key."""
+    import dataclasses
+
+    import jaxpar
+    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.worker import training
+
+    cfg = apply_overrides(resolve_recipe("gpt_tiny"), ["model.n_layers=1", "model.d_model=64"])
+    s = jaxpar.build(cfg, "data=8")._loop_session()
+    batch = training._abstract_batch(s)
+    parts = training.step_parts(s, batch)
+    assert parts is not None and parts == training.step_parts(s, batch)
+    other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr / 2))
+    assert training.step_parts(dataclasses.replace(s, cfg=other), batch) != parts
+    own_loss = dataclasses.replace(cfg, loss=lambda *a: 0.0)
+    assert training.step_parts(dataclasses.replace(s, cfg=own_loss), batch) is None

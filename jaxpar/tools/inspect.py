@@ -130,13 +130,17 @@ def _session(cfg: TrainConfig, preset: Preset, run_dir: str, target: targets.Tar
 def _target_compile(s, target: targets.Target, with_doctor: bool):
     """(targets.Result, the doctor's findings or None): the step compiled once by the target's
     compiler (with the partitioner's input kept when the doctor reads it)."""
+    from jaxpar.tools.tune import pipeline_table  # noqa: PLC0415 - tune imports the tools
+
+    switch = pipeline_table(s)  # a pipeline's tick loop: the branch each stage runs
     if not with_doctor:
-        return targets.compile_lowered(target, doctor.lower_step(s), s.mesh), None
+        return targets.compile_lowered(target, doctor.lower_step(s), s.mesh, switch), None
     import time  # noqa: PLC0415
 
     t0 = time.perf_counter()
     c = doctor.compile_captured(doctor.lower_step(s), target)
-    res = targets.result(target, c.compiled, c.after, time.perf_counter() - t0, c.warnings, s.mesh)
+    res = targets.result(target, c.compiled, c.after, time.perf_counter() - t0, c.warnings, s.mesh,
+                         switch)  # fmt: skip
     return res, c
 
 

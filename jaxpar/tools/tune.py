@@ -361,16 +361,32 @@ def _gib(n: float) -> str:
 def measure(s, compiled, steps: int = 5, times: list | None = None) -> float:
     """Median wall time of `steps` steps after two warm-up steps, on this machine (`times`:
     filled with each step's)."""
-    state = s.program.init()
-    times = [] if times is None else times
+    return measure_all([(s, compiled)], steps, [times] if times is not None else None)[0]
+
+
+def measure_all(runs: list[tuple], steps: int = 5, times: list | None = None,
+                quantile: float = 0.5) -> list[float]:  # fmt: skip
+    """Each (session, compiled) run's step time on this machine: two warm-up steps each, then
+    `steps` rounds of one step of every run in turn, so that a load that comes and goes falls
+    on every layout alike instead of on whichever ran then; the `quantile` of each run's
+    times (`times`: one list per run, filled with its times)."""
+    states = [s.program.init() for s, _ in runs]
+    got: list[list[float]] = [[] for _ in runs]
     for i in range(steps + 2):
-        batch = device_batch(s, i)
-        t0 = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready((state, m))
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for k, (s, compiled) in enumerate(runs):
+            batch = device_batch(s, i)
+            t0 = time.perf_counter()
+            states[k], m = compiled(states[k], batch)
+            jax.block_until_ready((states[k], m))
+            if i >= 2:
+                got[k].append(time.perf_counter() - t0)
+    for k, one in enumerate(times or ()):
+        one.extend(got[k])
+    return [float(np.quantile(g, quantile)) for g in got]
+
+
+MEASURE_ROUNDS = 7  # rounds of one step per measured layout
+MEASURE_QUANTILE = 0.25  # a low quantile of each layout's steps: its speed, less the others' load
 
 
 NOISY_PEAK = 0.2  # the machine's peak moved by more than this share while layouts ran
@@ -621,12 +637,12 @@ def _run(cfg, devs, prof, measure_k, top, tmp, log, only=None, target=None,
     if measure_k:
         picks = measure_picks(ranked, measure_k)
         log(f"\nmeasuring {len(picks)} layouts on this machine ...")
-        spreads = []
-        for lay in picks:
-            s, compiled = sessions[id(lay)]
-            times: list[float] = []
-            lay.measured_step_s = measure(s, compiled, times=times)
-            spreads.append(max(times) / min(times))
+        times: list[list[float]] = [[] for _ in picks]
+        got = measure_all([sessions[id(lay)] for lay in picks], MEASURE_ROUNDS, times,
+                          MEASURE_QUANTILE)  # fmt: skip
+        spreads = [max(t) / min(t) for t in times]
+        for lay, step_s in zip(picks, got, strict=True):
+            lay.measured_step_s = step_s
             log(f"  {lay.label():60s} predicted {lay.predicted_step_s * 1e3:8.2f} ms  measured "
                 f"{lay.measured_step_s * 1e3:8.2f} ms")  # fmt: skip
         result["noise"] = noise(prof, len(devs), spreads, target)

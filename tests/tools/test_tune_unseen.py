@@ -77,45 +77,52 @@ def test_a_conditional_runs_one_branch_and_a_table_says_which():
     assert tune.kernel_count(LOOP_OF_A_SWITCH) == 4 * 3 + 1
 
 
+# Small shapes, two layers (one per stage): the same loops and branches, quick compiles.
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.seq_len=32", "data.seq_len=32",
+         "data.global_batch=16"]  # fmt: skip
+DP8 = ({"data": 8}, {"train.microbatches": 1})
+PP2 = ({"data": 4, "pipeline": 2}, {"pipeline.schedule": "gpipe", "pipeline.microbatches": 2})
+
+
+@pytest.fixture(scope="module")
+def cpu_profile():
+    return hardware.get("cpu", 8)
+
+
 def _compile(cfg, sizes, settings, tmp):
     lay = tune.Layout(sizes, settings)
     s, compiled = tune.compile_layout(cfg, lay, jax.devices()[:8], str(tmp))
     return lay, s, compiled
 
 
-PP4 = ({"data": 2, "pipeline": 4}, {"pipeline.schedule": "gpipe", "pipeline.microbatches": 4})
-DP8 = ({"data": 8}, {"train.microbatches": 1})
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "sets"), [(SCAN_LM, []), ("gpt_moe", MOE_SETS)])
-def test_loops_are_counted_and_the_ranking_holds_when_measured(recipe, sets, tmp_path):
-    """data=8 against 2 replicas of 4 pipeline stages (gpipe, 4 microbatches), compiled and run
+@pytest.mark.parametrize(("recipe", "sets"), [(SCAN_LM, SMALL), ("gpt_moe", [*MOE_SETS, *SMALL])])
+def test_loops_are_counted_and_the_ranking_holds_when_measured(recipe, sets, tmp_path,
+                                                               cpu_profile):  # fmt: skip
+    """data=8 against 4 replicas of 2 pipeline stages (gpipe, 2 microbatches), compiled and run
     here. Load-independent: the scanned stack and the tick loop are counted by trip count, so
     the pipeline's busy FLOPs per device are at least the unpipelined program's (the same model
-    split 8 ways either way; the pipeline recomputes a little) and its bubble is the schedule's
-    idle share. Measured: the order of the two predictions is the measured order (they are
-    several times apart)."""
+    split 8 ways either way; the pipeline's backward recomputes a little) and its bubble is the
+    schedule's idle share. Measured (one step of each in turn, their fastest): the order of the
+    two predictions is the measured order (they are several times apart)."""
     cfg = validate(apply_overrides(resolve_recipe(recipe), sets))
-    prof = hardware.get("cpu", 8)
     dp, s_dp, c_dp = _compile(cfg, *DP8, tmp_path)
-    pp, s_pp, c_pp = _compile(cfg, *PP4, tmp_path)
+    pp, s_pp, c_pp = _compile(cfg, *PP2, tmp_path)
     xla = c_dp.cost_analysis()
     xla = (xla[0] if isinstance(xla, list) else xla)["flops"]
-    if recipe == SCAN_LM:  # a scan over 4 layers: XLA's analysis counts one of them
+    if recipe == SCAN_LM:  # a scan over 2 layers: XLA's own analysis counts one of them
         assert s_dp.flops_per_step is None  # no flops_per_token: nothing but the program
-        assert dp.flops > 2 * xla
+        assert dp.flops > 1.3 * xla, (dp.flops, xla)
     busy = pp.flops - pp.wait_flops
     assert 0.9 * dp.flops < busy < 1.6 * dp.flops, (dp.flops, pp.flops, pp.wait_flops)
-    # gpipe, 4 stages, 4 microbatches: 3 of every 7 ticks idle per stage, less what the
+    # gpipe, 2 stages, 2 microbatches: 1 of every 3 ticks idle per stage, less what the
     # unequal branches (the last stage's head and loss) change
-    assert 0.2 < pp.wait_flops / pp.flops < 0.6
+    assert 0.15 < pp.wait_flops / pp.flops < 0.5, (pp.wait_flops, pp.flops)
     for lay in (dp, pp):
-        tune.predict(lay, prof)
-    assert pp.predicted_step_s > 1.5 * dp.predicted_step_s
-    measured = {id(lay): tune.measure(s, c, steps=2) for lay, s, c in ((dp, s_dp, c_dp),
-                                                                      (pp, s_pp, c_pp))}  # fmt: skip
-    assert measured[id(pp)] > measured[id(dp)], measured
+        tune.predict(lay, cpu_profile)
+    assert pp.predicted_step_s > 1.3 * dp.predicted_step_s, (pp.split, dp.split)
+    t_dp, t_pp = tune.measure_all([(s_dp, c_dp), (s_pp, c_pp)], steps=2, quantile=0.0)
+    assert t_pp > t_dp, (t_dp, t_pp, dp.predicted_step_s, pp.predicted_step_s)
 
 
 def test_the_printed_train_command_parses_to_the_config_tune_compiled():

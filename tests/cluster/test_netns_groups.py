@@ -7,7 +7,9 @@ One job, in turn: group 1's process killed inside a step's average, its gradient
 0's state); h1 cut off the network (group 1 is dropped by the hang rule while group 0
 trains on) and healed (group 1 is restarted by the leader's queued command and rejoins); h1
 lost for good, its agent and workers killed (group 0 finishes alone, --min-groups 1). Group 0's
-process runs throughout, and no step is trained twice.
+process runs throughout, and no step is trained twice. Where jaxpar[gloo] installs, the gradients
+and the rejoining states go peer to peer between the hosts (no tensor byte through the hub), and
+the bytes the leader's host sends and receives per step are counted.
 
 Another job loses h0, the leader's host with the group hub: h1's agent stops its group and
 exits 1 with nothing left running, and the same command lines resume the run from the newest
@@ -19,6 +21,7 @@ checkpoint to the end.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ import time
 import pytest
 
 from jaxpar.rundir.runlog import read_jsonl
+from tests.support import gloo_peer
 from tests.support.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -42,8 +46,13 @@ FAULTS = ["--fault", f"killavg@{KILL_AT}:process=1",  # group 1's process, on h1
 
 
 def _start(hosts, run_dir, tag: str, steps: int = STEPS, every: int = 20,
-           faults: list[str] = FAULTS) -> tuple[list[subprocess.Popen], list]:  # fmt: skip
+           faults: list[str] = FAULTS, site: str | None = None,
+           ) -> tuple[list[subprocess.Popen], list]:  # fmt: skip
+    """Both agents; with `site` (jaxpar[gloo]'s folder) on their workers' PYTHONPATH."""
     coordinator = f"{hosts.addr(0)}:29400"
+    env = cpu_env(devices=None, cache=False)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), site])
     train = [sys.executable, "-m", "train", "--recipe", "gpt_tiny", "--no-progress", "--steps",
              str(steps), "--set", f"ckpt.every={every}", *SMALL]  # fmt: skip
     procs, logs = [], []
@@ -54,8 +63,8 @@ def _start(hosts, run_dir, tag: str, steps: int = STEPS, every: int = 20,
                "--run-dir", str(run_dir), *(faults if i == 0 else []), "--", *train]  # fmt: skip
         logs.append(run_dir.parent / f"{run_dir.name}.{tag}{i}.log")
         with open(logs[-1], "wb") as log:
-            procs.append(hosts.popen(i, cmd, cwd=REPO, env=cpu_env(devices=None, cache=False),
-                                     stdout=log, stderr=subprocess.STDOUT,
+            procs.append(hosts.popen(i, cmd, cwd=REPO, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL))  # fmt: skip
     return procs, logs
 
@@ -64,7 +73,8 @@ def test_groups_across_hosts_survive_a_kill_a_partition_and_a_lost_host(hosts2, 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     t0 = time.time()
-    procs, logs = _start(hosts2, run_dir, "a")
+    site = gloo_peer.site_or_none()
+    procs, logs = _start(hosts2, run_dir, "a", site=site)
 
     def out(i: int) -> str:
         return logs[i].read_text(errors="replace")[-5000:]
@@ -87,6 +97,15 @@ def test_groups_across_hosts_survive_a_kill_a_partition_and_a_lost_host(hosts2, 
     try:
         until(lambda: len(rejoined()) == 1 and both_since(KILL_AT), "group 1 back after the kill")
         print(f"netns groups: killed and rejoined at {time.time() - t0:.0f}s")
+        # the bytes the leader's host sends and receives per step, both groups training
+        first, sent = max(losses(run_dir)), hosts2.traffic(0)
+        until(lambda: max(losses(run_dir)) >= first + 5, "5 steps of both groups")
+        last, now = max(losses(run_dir)), hosts2.traffic(0)
+        per_step = [(b - a) / (last - first) for a, b in zip(sent, now, strict=True)]
+        print(
+            f"netns groups: the leader's host sent {per_step[0]:.0f} and received "
+            f"{per_step[1]:.0f} bytes per step ({'peer to peer' if site else 'hub'})"
+        )
         hosts2.cut(1)
         cut_at = max(losses(run_dir))
         until(lambda: any("hung" in e["why"] for e in events(run_dir, "group_failure")),
@@ -127,6 +146,11 @@ def test_groups_across_hosts_survive_a_kill_a_partition_and_a_lost_host(hosts2, 
     assert quorum[healed_at + 1] == [0, 1], (healed_at, quorum)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["groups"]["group_restarts"] == 2
+    if site is not None:  # across the hosts peer to peer, through the kill and the partition
+        hub = summary["groups"]
+        assert hub["hub_gradient_bytes"] == hub["hub_state_bytes"] == 0, hub
+        assert hub["steps_peer_to_peer"] == STEPS and all(e["p2p"] for e in rejoined())
+        assert 0 < min(per_step), per_step
 
 
 def test_groups_leader_host_lost_fails_clearly_and_resumes(hosts2, tmp_path):

@@ -95,18 +95,25 @@ def site() -> str:
         pytest.skip(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")
 
 
+def site_or_none() -> str | None:
+    """The folder for the workers' PYTHONPATH, or None where torch cannot be installed (said on
+    stderr; a failure under JAXPAR_REQUIRE_GLOO=1): those tests then run the hub path."""
+    try:
+        return os.path.join(ensure(), "site")
+    except PeerUnavailable as e:
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")
+        print(f"\n[gloo] the hub path only: {e}", file=sys.stderr)
+        return None
+
+
 def launch_env() -> tuple[dict, bool]:
     """(the environment for `jaxpar launch` whose workers exchange peer to peer, whether they
     do): the tests' clean environment with jaxpar[gloo]'s folder on PYTHONPATH; without it (torch
     cannot be installed here, and JAXPAR_REQUIRE_GLOO is not 1) the hub path's, as before."""
     from tests.support.launch_util import clean_env
 
-    env = clean_env()
-    try:
-        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.path.join(ensure(), "site")])
-        return env, True
-    except PeerUnavailable as e:
-        if os.environ.get(REQUIRE) == "1":
-            pytest.fail(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")
-        print(f"\n[gloo] the hub path only: {e}", file=sys.stderr)
-        return env, False
+    env, folder = clean_env(), site_or_none()
+    if folder is not None:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], folder])
+    return env, folder is not None

@@ -134,6 +134,13 @@ class Hosts:
                 pass
         return pids
 
+    def traffic(self, i: int) -> tuple[int, int]:
+        """(bytes host i has sent, bytes it has received) so far: its veth's counters as the
+        bridge's side of the pair sees them."""
+        stats = f"/sys/class/net/{self._veths[i]}/statistics"
+        with open(f"{stats}/rx_bytes") as rx, open(f"{stats}/tx_bytes") as tx:
+            return int(rx.read()), int(tx.read())
+
     def cut(self, i: int) -> None:
         """Cut host i off the network (its link to the bridge down): a partition; its
         processes keep running and its sockets stay open."""

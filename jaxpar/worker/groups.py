@@ -422,7 +422,8 @@ class GroupLink:
     def _average(self, tree, step: int, parts: tuple[str, ...] = ()):
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned. `parts`
         names the parts of a tuple `tree` (the hub names what it refuses by them)."""
-        names = [[n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)]
+        names = [[n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)] \
+            if parts else []  # fmt: skip
         if self.engine.address is not None:
             out = self._exchange(tree, step, names)
             if out is not None:

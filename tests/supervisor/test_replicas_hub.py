@@ -924,3 +924,41 @@ def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_ag
         assert joined["group"] == 2 and joined["donor"] == 0 and joined["p2p"], joined
     finally:
         hub.close()
+
+
+def test_hub_peer_to_peer_diloco_joiner_listens_through_the_hub_then_exchanges():
+    """Peer to peer with DiLoCo: the joiner's first outer step (it listens, giving no mean) goes
+    through the hub (the donor is asked for its shards), the next one peer to peer."""
+    hub, _ = _hub(2, min_groups=1)
+    try:
+        w1 = _connect(hub, 1)
+        hub.alive.discard(0)
+        w1.send({**_ready(0, sync_every=4), "p2p": STORES[1]})
+        assert w1.recv()[0]["kind"] == "start"
+        _report(w1, 3)
+        e = _exchanged([w1], 3, [1], STORES[1])
+        _reduced(w1, 3, e)
+        assert w1.recv()[0]["kind"] == "averaged"
+        hub.running(0)
+        w0 = _connect(hub, 0)
+        w0.send({**_ready(0, sync_every=4), "p2p": STORES[0]})
+        _until(lambda: 0 in hub.transfers)
+        _report(w1, 7)
+        assert w1.recv()[0] == {"kind": "give_state", "step": 7, "arrays": []}  # a DiLoCo donor
+        _state(w1, 7, [np.array([1.0, 1.0], np.float32), np.array(7, np.int32)])
+        assert w0.recv()[0]["step"] == 7
+        w0.send({"kind": "listen", "step": 7,
+                 **group_layout.whole([np.zeros(1, np.float32)], send=False)})  # fmt: skip
+        assert w1.recv()[0] == {"kind": "send", "step": 7, "arrays": []}
+        _average(w1, 7, np.array([4.0], np.float32))
+        for w in (w0, w1):
+            header, (mean,) = w.recv()
+            assert header["quorum"] == [1] and mean.tolist() == [4.0]
+        for w in (w0, w1):
+            _report(w, 11)
+        e = _exchanged([w0, w1], 11, [0, 1], STORES[0])
+        for w in (w0, w1):
+            _reduced(w, 11, e)
+        assert w0.recv()[0]["quorum"] == w1.recv()[0]["quorum"] == [0, 1]
+    finally:
+        hub.close()

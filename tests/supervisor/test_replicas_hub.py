@@ -962,3 +962,29 @@ def test_hub_peer_to_peer_diloco_joiner_listens_through_the_hub_then_exchanges()
         assert w0.recv()[0]["quorum"] == w1.recv()[0]["quorum"] == [0, 1]
     finally:
         hub.close()
+
+
+def test_hub_peer_to_peer_exchange_failing_twice_with_every_member_answering_drops_the_highest():
+    """Two groups that reach the hub but not each other (a partition between their hosts): each
+    exchange fails on both sides; after the second the quorum's highest group leaves it, named
+    why, and the other commits the step alone."""
+    hub, _ = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for g, w in enumerate((w0, w1)):
+            w.send({**_ready(0), "p2p": STORES[g]})
+        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        for w in (w0, w1):
+            _report(w, 0)
+        for _ in range(2):
+            e = _exchanged([w0, w1], 0, [0, 1], STORES[0])
+            for w in (w0, w1):
+                _reduced(w, 0, e, ok=False)
+        assert w1.recv()[0]["kind"] == "stop"
+        why = hub.take_causes()[1]
+        assert why.startswith("the exchange of step 1 failed twice with every group answering")
+        e = _exchanged([w0], 0, [0], STORES[0])
+        _reduced(w0, 0, e)
+        assert w0.recv()[0]["quorum"] == [0]
+    finally:
+        hub.close()

@@ -1,0 +1,86 @@
+"""Predicted against published: each published configuration's one layout, compiled by the
+target's compiler and predicted on its profile by `jaxpar tune --target`'s own code
+(jaxpar.tools.tune.compile_layout and predict), its figures written as JSON lines.
+
+    JAXPAR_TARGET_PACKAGES=/tmp/aot python docs/benchmarks/2026-12-06-published.py NAME... > out.jsonl
+
+NAME: a key of CONFIGS (see 2026-12-06-published.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxpar.config import apply_overrides, resolve_recipe, validate  # noqa: E402
+from jaxpar.tools import hardware, targets, tune  # noqa: E402
+
+# name: (target, recipe, --set, mesh sizes, the layout's settings)
+CONFIGS = {
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: Llama 3.1 8B, 8 H100,
+    # FSDP 8, local batch 2 (global 16), seq 8192 (train_configs/llama3_8b.toml), bf16. At two
+    # sequences per GPU jaxpar's CUDA program needs 129.6 GiB (its attention keeps the scores);
+    # `_fit` is the same step as two accumulated microbatches of one sequence per GPU.
+    "torchtitan_llama3_8b": ("h100x8", "llama3_8b", ["data.global_batch=16"], {"fsdp": 8},
+                             {"model.remat": "block", "train.microbatches": 1}),
+    "torchtitan_llama3_8b_fit": ("h100x8", "llama3_8b", ["data.global_batch=16"], {"fsdp": 8},
+                                 {"model.remat": "block", "train.microbatches": 2}),
+    # Megatron-LM README images/model_table.png, row 1.7B: 24 layers, hidden 2048, 16 heads,
+    # TP 1, PP 1, DP 48, batch 192 (4 sequences per GPU), seq 4096, vocabulary 131,072
+    "megatron_gpt_1p7b": ("h100x8", "gpt_350m",
+                          ["model.vocab_size=131072", "model.seq_len=4096", "model.d_model=2048",
+                           "model.n_heads=16", "model.n_layers=24", "model.d_mlp=8192",
+                           "data.seq_len=4096", "data.global_batch=32"],
+                          {"data": 8}, {"model.remat": "dots", "train.microbatches": 1}),
+    # MaxText configs/v5e/README.md and configs/v5e/16b.sh as of 2023-12-15 (76bd53b0f):
+    # global_parameter_scale=16 of that base.yml (emb 5120, 32 heads of 256, mlp 32768 relu,
+    # 32 layers, vocabulary 32,768, logits via the embedding), per_device_batch_size=6 on
+    # v5e-256 (1,536 sequences), max_target_length=2048, remat_policy=full, FSDP over the slice,
+    # bf16. jaxpar's Llama has a SwiGLU MLP: d_mlp 21,760 (x3 matmuls) has the FLOPs of 32,768 x2.
+    "maxtext_v5e_16b": ("v5e-256", "llama3_8b",
+                        ["model.vocab_size=32768", "model.seq_len=2048", "model.d_model=5120",
+                         "model.n_heads=32", "model.n_kv_heads=32", "model.head_dim=256",
+                         "model.d_mlp=21760", "model.n_layers=32", "model.tie_embeddings=true",
+                         "data.seq_len=2048", "data.global_batch=1536"],
+                        {"fsdp": 256}, {"model.remat": "block", "train.microbatches": 1}),
+}
+
+
+def run(name: str) -> dict:
+    target_name, recipe, sets, sizes, settings = CONFIGS[name]
+    t = targets.get(target_name)
+    cfg = validate(apply_overrides(resolve_recipe(recipe), sets))
+    prof = hardware.get(t.name, t.devices)
+    lay = tune.Layout(sizes, settings)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            tune.compile_layout(cfg, lay, targets.devices(t), tmp, t)
+            tune.predict(lay, prof, t.memory_bytes if t.family == "cuda" else float("inf"))
+        except targets.DoesNotFit as e:
+            lay.fits, lay.reason = False, str(e)
+    tokens = cfg.data.global_batch * cfg.model.seq_len
+    model_flops = cfg.model.flops_per_token() * tokens
+    out = {
+        "name": name, "target": t.name, "recipe": recipe, "set": sets, "mesh": lay.mesh,
+        "settings": settings, "fits": lay.fits, "reason": lay.reason,
+        "peak_gib": (lay.memory.get("peak") or 0) / 2**30, "compile_s": lay.compile_s,
+        "wall_s": time.perf_counter() - t0, "program_flops_per_device": lay.flops,
+        "model_flops_per_token": cfg.model.flops_per_token(),
+        "model_params": cfg.model.num_params(), "predicted_step_s": lay.predicted_step_s,
+        "split_s": lay.split, "bottleneck": lay.bottleneck,
+        "predicted_tokens_per_s_per_device": tokens / lay.predicted_step_s / t.devices,
+        "predicted_model_tflops_per_device": model_flops / lay.predicted_step_s / t.devices / 1e12,
+        "profile": prof.as_dict(), "load_average": os.getloadavg()[0],
+    }  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(json.dumps(run(arg)), flush=True)

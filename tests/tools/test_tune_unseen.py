@@ -138,6 +138,7 @@ def test_the_printed_train_command_parses_to_the_config_tune_compiled():
     assert argv[:2] == ["jaxpar", "train"]
     args = cli.build_parser(argv[1:]).parse_args(argv[1:])
     assert args.recipe == SCAN_LM and args.mesh == "data=2,pipeline=2"
+    assert cli._layout(args.mesh, "cpu1").mesh.sizes() == MeshSpec(data=2, pipeline=2).sizes()
     again = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     compiled = tune.apply(cfg, lay.settings)  # the recipe's optimizer: a new object per call
     assert replace(again, optimizer=None) == replace(compiled, optimizer=None)

@@ -59,7 +59,9 @@ SOURCES: dict[str, str] = {
     "GPU. Latency, launch and efficiency: as h100x8.",
     "v5e-8": "Google Cloud TPU v5e documentation: 197 TFLOP/s BF16 per chip, 16 GB HBM2, ICI "
     "1,600 Gbps per chip (200 GB/s); v5litepod-8 is one host of 8 chips; data-centre network "
-    "across slices ~200 Gbps per host. Latency 10 us and 1 us per kernel: estimates.",
+    "across slices ~200 Gbps per host. Latency 10 us and 1 us per kernel: estimates. "
+    "Efficiency 0.5: an estimate, not calibrated; held against MaxText's published 16B on "
+    "v5e-256 it predicts 0.58 of that throughput (docs/benchmarks/2026-12-06-published.md).",
     "v5p-32": "Google Cloud TPU v5p documentation: 459 TFLOP/s BF16 per chip, 95 GB HBM2e, ICI "
     "4,800 Gbps per chip (600 GB/s); v5p-32 is 16 chips (32 TensorCores) on 4 hosts joined by "
     "ICI (one island); data-centre network across slices. Latency and per-kernel: as v5e.",

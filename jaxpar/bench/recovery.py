@@ -395,10 +395,11 @@ def run(b: Bench) -> dict:
     root = tempfile.mkdtemp(prefix="jaxpar-bench-recovery-")
     try:
         rec = [measure_recovery(m, recipe, p, overrides, root) for m in modes]
-        good = [measure_goodput(m, t, p, recipe, overrides, root)
-                for m in p["goodput_paths"] if m in modes for t in p["periods"]]  # fmt: skip
+        # the peer right after jaxpar's restart jobs: the nearest the machine's load allows
         torchrun = (recovery_peer.torchrun_side(p, root, batch=32)
                     if p["peer"] and recipe == "gpt_tiny" and not overrides else None)  # fmt: skip
+        good = [measure_goodput(m, t, p, recipe, overrides, root)
+                for m in p["goodput_paths"] if m in modes for t in p["periods"]]  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
     by_mode = {r["mode"]: r for r in rec}

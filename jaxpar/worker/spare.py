@@ -94,6 +94,10 @@ def preload(target: str | None) -> None:
     from jaxpar.parallel.program import code_digest
 
     code_digest()  # part of the train step's cache key: read now, not after a failure
+    from jaxpar.worker import groups
+
+    if groups.active():  # a replica group's spare: torch imported and its store started now
+        groups.engine()
     prebuild_model(os.environ.get(bootstrap.ENV_RUN_DIR))
     # What is imported now lives as long as the process: out of the collector's sight, so a
     # full collection while the worker traces and restores does not walk it again
@@ -121,9 +125,27 @@ def prebuild_model(run_dir: str | None) -> None:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: tuple(v) if isinstance(v, list) else v
                   for k, v in values.items() if k in names}  # fmt: skip
-        model_lib.prebuild(cls(**kwargs), int(raw["train"]["seed"]))
+        model_cfg = cls(**kwargs)
+        model_lib.prebuild(model_cfg, int(raw["train"]["seed"]))
+        prebuild_source(raw["data"], model_cfg)
     except Exception as e:  # noqa: BLE001 - the worker builds it as a cold start does
         print(f"spare: model not prebuilt ({type(e).__name__}: {e})", flush=True)
+
+
+def prebuild_source(data: dict, model_cfg) -> None:
+    """Build the run's data source once and drop it, when it is one of jaxpar's registered
+    sources (never a MODULE:CALLABLE of the user's): what the sources keep per process (the
+    text corpus, scikit-learn's digits and its import) is then loaded when the worker builds it."""
+    from jaxpar.data import sources as data_lib
+
+    name = data.get("source")
+    if not isinstance(name, str) or name not in data_lib.SOURCE_REGISTRY:
+        return
+    data_lib.make_source(
+        name, seq_len=getattr(model_cfg, "seq_len", data.get("seq_len", 64)),
+        vocab_size=getattr(model_cfg, "vocab_size", 256), seed=int(data.get("seed", 0)),
+        path=data.get("path", ""), dtype=data.get("dtype", ""),
+    )  # fmt: skip
 
 
 def _script_dir(script: str) -> str:

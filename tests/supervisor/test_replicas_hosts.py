@@ -1,6 +1,7 @@
 """Replica groups on two `jaxpar launch` agents of this machine (`--nnodes 2 --groups 2`): each
 host runs one group, the leader's supervisor decides for both, and the groups' layouts differ
-(node 0's mesh is data=2, node 1's tensor=2). Group 1's process (on node 1) killed: only group 1
+(node 0's mesh is data=2, node 1's tensor=2: with jaxpar[gloo] installed, the steps both groups
+take part in are averaged through the hub, resharded, the others peer to peer). Group 1's process (on node 1) killed: only group 1
 restarts, on node 1, through that agent, and rejoins from group 0's state, resharded; node 1's
 agent (--standby) builds a standby group for it, and a second kill restarts group 1 from there;
 then node 1 is lost (its agent and workers killed at once): group 0 trains on alone
@@ -20,6 +21,7 @@ import time
 import pytest
 
 from jaxpar.rundir.runlog import read_jsonl
+from tests.support import gloo_peer
 from tests.support.launch_util import Launch, losses, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -56,13 +58,15 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
               "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1"]  # fmt: skip
     cmd = train_cmd(STEPS, 4)
     run_dir = tmp_path / "run"
+    env, p2p = gloo_peer.launch_env()
     leader = Launch(run_dir, [*common, "--node-rank", "0", "--min-groups", "1", *faults], cmd,
-                    name="node0")  # fmt: skip
+                    name="node0", env=env)  # fmt: skip
     follower = Launch(
         run_dir,
         [*common, "--node-rank", "1", "--min-groups", "1", "--standby"],
         train_cmd(STEPS, 4, "--mesh", "tensor=2"),
         name="node1",
+        env=env,
     )  # another layout
     try:
         # group 1 killed on node 1, restarted there, back in the quorum
@@ -107,3 +111,8 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
     assert lines[KILL_AT - 1]["quorum"] == [0] and lines[-1]["quorum"] == [0]
     assert any(m["quorum"] == [0, 1] for m in lines[KILL_AT:]), lines
     assert leader.summary()["status"] == "completed"
+    if p2p:  # different layouts: the hub path for the steps of both groups, and said so
+        assert "through the group hub: the groups' layouts differ" in leader.log.read_text()
+        groups = leader.summary()["groups"]
+        assert groups["hub_gradient_bytes"] > 0 and groups["hub_state_bytes"] > 0, groups
+        assert 0 < groups["steps_peer_to_peer"] < STEPS, groups  # group 0 alone: peer to peer

@@ -31,8 +31,8 @@ EXTRA = "jaxpar[gloo]"
 ENV_EXCHANGE = "JAXPAR_GROUP_EXCHANGE"
 # what Gloo sums here (the wire's dtypes less bool and the unsigned ones Gloo has no sum for)
 SUMMED = frozenset(("float16", "float32", "float64", "int8", "int32", "int64", "uint8"))
-STARTUP_S = 120.0
-TRANSFER_CHUNK = 1 << 28  # a state transfer's broadcasts: 256 MiB each  # importing torch and starting the store, beside the programs' compilation
+STARTUP_S = 120.0  # importing torch and starting the store, beside the programs' compilation
+TRANSFER_CHUNK = 1 << 28  # a state transfer's broadcasts: 256 MiB each
 
 
 class Engine:

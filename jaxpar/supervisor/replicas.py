@@ -142,6 +142,8 @@ class Hub:
         self.p2p: dict[tuple[int, int], str] = {}
         self.p2p_missing: dict[int, str] = {}
         self.exchanges: dict[int, dict] = {}  # step -> the exchange under way for it
+        # step -> (group, why) of a process that sent its shards unasked (no engine there)
+        self.why_hub: dict[int, tuple[int, str]] = {}
         self.comm: dict | None = None  # the communicators in force: quorum, epoch, prefix
         self.epoch = 0
         self.hang_s = 60.0  # what an exchange's members wait for each other (the hang timeout)
@@ -229,6 +231,7 @@ class Hub:
             store = header.get("p2p")
             if isinstance(store, str) and 0 < len(store) <= 300 and ":" in store:
                 self.p2p[who] = store
+                self.p2p_missing.pop(g, None)
             else:
                 self.p2p.pop(who, None)
                 self.p2p_missing[g] = printable(str(header.get("p2p_missing", "no engine")), 300)
@@ -238,6 +241,11 @@ class Hub:
             layout = group_layout.parse(header, arrays)
             self._name_parts(g, header.get("parts"), len(layout.shapes))
             self.gradient_bytes += sum(a.nbytes for a in arrays)
+            why = header.get("p2p_missing")  # it has the engine, but not for these leaves
+            why = why if isinstance(why, str) else None if who in self.p2p else \
+                self.p2p_missing.get(g, "no engine")  # fmt: skip
+            if why is not None and g in self.joined:  # said when the step goes through here
+                self.why_hub.setdefault(step, (g, printable(why, 300)))
             if g in self.joined and step >= self.joined[g]:
                 self.pending.setdefault(step, {})[who] = (layout, arrays)
                 self.first_seen.setdefault(step, time.time())
@@ -292,6 +300,7 @@ class Hub:
             self.first_seen.clear()
             self.listeners.clear()
             self.exchanges.clear()
+            self.why_hub.clear()
             self.comm = None
         if not self.started and self.next_step in (None, step):
             self.next_step = step
@@ -458,11 +467,10 @@ class Hub:
             self._exchange(step, q)
             return
         parts = {g: [got[(g, k)] for k in range(self.per_group)] for g in q}
-        lacking = [g for g in q if g in self.p2p_missing and any(
-            (g, k) not in self.p2p for k in range(self.per_group))]  # fmt: skip
-        if lacking:  # said once: the engine is missing there
-            self._say_path(f"group {lacking[0]} cannot exchange peer to peer "
-                           f"({self.p2p_missing[lacking[0]]})")  # fmt: skip
+        lacking = [self.why_hub[step]] if self.why_hub.get(step, (-1,))[0] in q else []
+        if lacking:  # said once: a group without the engine, or leaves it cannot sum
+            self._say_path(f"group {lacking[0][0]} cannot exchange peer to peer "
+                           f"({lacking[0][1]})")  # fmt: skip
         model = parts[q[0]][0][0].model
         for g in q:  # each group's processes tile every leaf once, in any layout
             lays = [lay for lay, _ in parts[g]]
@@ -505,6 +513,7 @@ class Hub:
     def _released(self, step: int, q: list[int], path: str) -> None:
         """Step `step`'s average is out to quorum `q` (through the hub or peer to peer)."""
         del self.pending[step]
+        self.why_hub.pop(step, None)
         self.listeners.pop(step, None)
         self.first_seen.pop(step, None)
         now = time.time()
@@ -541,8 +550,8 @@ class Hub:
         for g in q:
             for k in range(self.per_group):
                 if not isinstance(got[(g, k)], dict) or (g, k) not in self.p2p:
-                    why = self.p2p_missing.get(g, "no engine")
-                    return f"group {g} cannot exchange peer to peer ({why})"
+                    h, why = self.why_hub.get(step, (g, self.p2p_missing.get(g, "no engine")))
+                    return f"group {h} cannot exchange peer to peer ({why})"
         if self.listeners.get(step):
             return f"a group joins by listening to step {step + 1}'s average (DiLoCo)"
         for k in range(self.per_group):

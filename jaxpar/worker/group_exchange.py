@@ -164,7 +164,9 @@ class Plan:
             for k in ks:
                 classes.setdefault((held_by[leaf][k], dtypes[leaf]), []).append((leaf, k))
         self.classes = [(c, sorted(v)) for c, v in sorted(classes.items())]
-        self.usable = all(d in SUMMED for d in dtypes)
+        odd = sorted(set(dtypes) - SUMMED)
+        self.usable = not odd
+        self.why_not = f"leaves of dtype {', '.join(odd)}, which Gloo does not sum" if odd else ""
         body = json.dumps([[list(s) for s in shapes], dtypes,
                            [[list(c[0]), c[1], [[leaf, list(k)] for leaf, k in v]]
                             for c, v in self.classes]])  # fmt: skip

@@ -424,11 +424,17 @@ class GroupLink:
         names the parts of a tuple `tree` (the hub names what it refuses by them)."""
         names = [[n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)] \
             if parts else []  # fmt: skip
+        fields: dict = {}
         if self.engine.address is not None:
-            out = self._exchange(tree, step, names)
-            if out is not None:
-                return out
-        fields, arrays = tree_pieces(tree, "owned")
+            plan = self._plan(jax.tree.leaves(tree))
+            if plan.usable:
+                out = self._exchange(tree, step, names)
+                if out is not None:
+                    return out
+            else:  # the hub says why the step goes through it
+                fields["p2p_missing"] = plan.why_not
+        more, arrays = tree_pieces(tree, "owned")
+        fields.update(more)
         if parts:
             fields["parts"] = names
         self.wire.send({"kind": "average", "step": step, **fields}, arrays)
@@ -458,8 +464,6 @@ class GroupLink:
         when the hub asks for the shards instead (the hub path)."""
         leaves = jax.tree.leaves(tree)
         plan = self._plan(leaves)
-        if not plan.usable:
-            return None
         pieces: dict[tuple[int, tuple], np.ndarray] = {}
         owned, held = [], []
         for i, leaf in enumerate(leaves):

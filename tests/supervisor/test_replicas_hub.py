@@ -988,3 +988,25 @@ def test_hub_peer_to_peer_exchange_failing_twice_with_every_member_answering_dro
         assert w0.recv()[0]["quorum"] == [0]
     finally:
         hub.close()
+
+
+def test_hub_peer_to_peer_leaves_the_engine_cannot_sum_go_through_the_hub(capsys):
+    """A process with the engine whose leaves Gloo cannot sum sends its shards with the reason:
+    the others are asked for theirs, and the launch says why once."""
+    hub, _ = _hub(2, min_groups=1)
+    try:
+        w0, w1 = _connect(hub, 0), _connect(hub, 1)
+        for g, w in enumerate((w0, w1)):
+            w.send({**_ready(0), "p2p": STORES[g]})
+        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        _report(w0, 0)
+        fields = group_layout.whole([np.array([1.0], np.float32)])
+        w1.send({"kind": "average", "step": 0, "p2p_missing": "leaves of dtype bool, which "
+                 "Gloo does not sum", **fields}, [np.array([1.0], np.float32)])  # fmt: skip
+        assert w0.recv()[0] == {"kind": "send", "step": 0, "arrays": []}
+        _average(w0, 0, np.array([3.0], np.float32))
+        assert w0.recv()[1][0].tolist() == w1.recv()[1][0].tolist() == [2.0]
+        assert ("through the group hub: group 1 cannot exchange peer to peer (leaves of dtype "
+                "bool, which Gloo does not sum)") in capsys.readouterr().err  # fmt: skip
+    finally:
+        hub.close()

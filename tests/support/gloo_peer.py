@@ -3,7 +3,8 @@ its own that the tests put on their workers' PYTHONPATH — never into jaxpar's 
 default install must stay without torch.
 
 The folder is `$XDG_CACHE_HOME` (else `~/.cache`) `/jaxpar/test-peers/gloo-torch-<TORCH>`; it
-holds torch and what torch needs that this environment lacks (pip's dry run against it). torch
+holds torch (`site/`, shared) and, per Python environment (`deps-<hash of sys.prefix>/`), what
+torch needs that this environment lacks (pip's dry run against it). torch
 comes from where `jaxpar bench survivors` takes it (`survivors_peer.torch_requirement`: the
 index's torch when it brings no GPU packages, else a CPU wheel from pip's find-links or
 `$JAXPAR_BENCH_TORCH`). Tests that need it skip with the reason when it cannot be installed,
@@ -12,14 +13,12 @@ unless JAXPAR_REQUIRE_GLOO=1 (CI), where they fail.
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as installed
 
 import pytest
 
@@ -39,56 +38,69 @@ def _pip(args: list[str]) -> subprocess.CompletedProcess:
         raise PeerUnavailable(f"pip {args[0]} took over {INSTALL_TIMEOUT_S} s") from None
 
 
+def _torch(folder: str) -> str:
+    """torch alone (no dependencies) in `folder`/site, installed once for every environment;
+    returns the requirement it was installed from."""
+    done = os.path.join(folder, "torch.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)["requirement"]
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    req = torch_requirement(folder, python=sys.executable)
+    req = f"torch=={TORCH}" if req == "torch" else req
+    r = _pip(["install", "--quiet", "--no-deps", "--target", os.path.join(folder, "site"), req])
+    if r.returncode != 0:
+        raise PeerUnavailable(f"pip cannot install {req}: {_last_line(r.stderr)}")
+    with open(done, "w") as f:
+        json.dump({"requirement": req}, f)
+    return req
+
+
 def ensure() -> str:
-    """The folder holding torch for the workers' PYTHONPATH, installed on first use;
-    PeerUnavailable when it cannot be."""
+    """The PYTHONPATH entries that make torch importable in this environment (torch's folder,
+    shared, and one of what torch needs that this environment lacks, per environment: a virtual
+    environment may lack what the system's has), installed on first use; PeerUnavailable when
+    they cannot be."""
     folder = os.path.join(cache_dir(), f"gloo-torch-{TORCH}")
-    ready = os.path.join(folder, "ready.json")
+    env_key = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    deps = os.path.join(folder, f"deps-{env_key}")
     with _locked(folder + ".lock"):
-        if os.path.exists(ready):
-            return folder
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        req = torch_requirement(folder, python=sys.executable)
-        if req == "torch":
-            req = f"torch=={TORCH}"
-        report = os.path.join(folder, "report.json")
-        r = _pip(["install", "--dry-run", "--quiet", "--ignore-installed", "--report", report,
-                  req])  # fmt: skip
+        req = _torch(folder)
+        path = os.pathsep.join([os.path.join(folder, "site"), deps])
+        if os.path.exists(os.path.join(deps, "ready.json")):
+            return path
+        shutil.rmtree(deps, ignore_errors=True)
+        os.makedirs(deps)
+        report = os.path.join(deps, "report.json")
+        r = _pip(["install", "--dry-run", "--quiet", "--report", report, req])
         if r.returncode != 0:
             raise PeerUnavailable(f"pip cannot resolve {req}: {_last_line(r.stderr)}")
         with open(report) as f:
             wanted = json.load(f).get("install", [])
-        names = []
-        for item in wanted:
-            meta = item.get("metadata", {})
-            name, version = meta.get("name", ""), meta.get("version", "")
-            if name.lower() == "torch":
-                continue
-            with contextlib.suppress(PackageNotFoundError):
-                installed(name)
-                continue  # this environment has it: not shadowed
-            names.append(f"{name}=={version}")
-        r = _pip(["install", "--quiet", "--no-deps", "--target", os.path.join(folder, "site"),
-                  req, *names])  # fmt: skip
-        if r.returncode != 0:
-            raise PeerUnavailable(f"pip cannot install {req}: {_last_line(r.stderr)}")
+        # torch's own wheel is in the shared folder; setuptools it needs only to build
+        # extensions, and a newer one on the workers' path would shadow the environment's
+        names = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in wanted
+                 if i.get("metadata", {}).get("name", "").lower() not in ("torch", "setuptools")]  # fmt: skip
+        if names:
+            r = _pip(["install", "--quiet", "--no-deps", "--target", deps, *names])
+            if r.returncode != 0:
+                raise PeerUnavailable(f"pip cannot install {names}: {_last_line(r.stderr)}")
         code = "import torch.distributed as d, torch; print(torch.__version__)"
-        env = {**os.environ, "PYTHONPATH": os.path.join(folder, "site")}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=env, timeout=300)  # fmt: skip
+                           env={**os.environ, "PYTHONPATH": path}, timeout=300)  # fmt: skip
         if r.returncode != 0:
             raise PeerUnavailable(f"torch does not import: {_last_line(r.stderr)}")
-        with open(ready, "w") as f:
-            json.dump({"torch": r.stdout.strip()}, f)
-        return folder
+        with open(os.path.join(deps, "ready.json"), "w") as f:
+            json.dump({"torch": r.stdout.strip(), "deps": names, "prefix": sys.prefix}, f)
+        return path
 
 
 def site() -> str:
-    """The folder to put on the workers' PYTHONPATH; the test skips (fails under
-    JAXPAR_REQUIRE_GLOO=1) when torch cannot be installed."""
+    """The PYTHONPATH entries for the workers; the test skips (fails under JAXPAR_REQUIRE_GLOO=1)
+    when torch cannot be installed."""
     try:
-        return os.path.join(ensure(), "site")
+        return ensure()
     except PeerUnavailable as e:
         if os.environ.get(REQUIRE) == "1":
             pytest.fail(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")
@@ -99,7 +111,7 @@ def site_or_none() -> str | None:
     """The folder for the workers' PYTHONPATH, or None where torch cannot be installed (said on
     stderr; a failure under JAXPAR_REQUIRE_GLOO=1): those tests then run the hub path."""
     try:
-        return os.path.join(ensure(), "site")
+        return ensure()
     except PeerUnavailable as e:
         if os.environ.get(REQUIRE) == "1":
             pytest.fail(f"jaxpar[gloo] (torch) cannot be installed for the tests: {e}")

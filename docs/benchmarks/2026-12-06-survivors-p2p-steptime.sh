@@ -6,7 +6,7 @@ out=${1:-/tmp/steptime}; steps=${STEPS:-25}
 model="--set model.d_model=512 --set model.n_layers=8 --set model.d_mlp=2048 --set model.n_heads=8 --set model.seq_len=64 --set data.seq_len=64 --set data.global_batch=12"
 common="--recipe gpt_tiny --steps $steps --no-progress --set ckpt.every=0 --set ckpt.local_every=0 --set train.eval_every=0 $model"
 gloo=${GLOO_SITE:?a folder holding torch (pip install --target DIR torch)}
-for cfg in p2p hub world; do
+for cfg in ${CONFIGS:-p2p hub world}; do
   args="--nproc 6 --devices-per-proc 1"
   env="PYTHONPATH=$PWD:$gloo"
   case $cfg in

@@ -44,8 +44,9 @@ def test_bench_recovery_quick(tmp_path):
     standby, hang = r["recovery"]
     modes = ("standby", "standby-hang")
     assert tuple(m["mode"] for m in r["recovery"]) == modes and r["paths"] == list(modes)
+    assert r["torchrun"] is None and r["local_over_torchrun"] is None  # quick: jaxpar only
     for mode in r["recovery"]:
-        assert mode["exit_code"] == 0 and mode["incidents"] == 1
+        assert mode["exit_code"] == 0 and mode["incidents"] == 1 and mode["steady_step_s"] > 0
         assert mode["recovery_s"] > 0 and mode["recovery_s"] >= mode["init_s"] > 0
     # the standby paths came up with their programs loaded
     for mode in (standby, hang):
@@ -69,3 +70,28 @@ def test_bench_recovery_quick(tmp_path):
     assert 0 < g["goodput"] <= g["goodput_steady"] <= 1
     assert g["time_lost_s"]["startup"] > 0 and g["time_lost_s"]["signal"] > 0
     assert g["paths"] and set(g["paths"]) <= {"standby", "spares"}
+
+
+def test_torchrun_peer_figures_from_its_records(tmp_path):
+    """The peer's recovery per kill: its restarted group's first step minus the SIGKILL, split at
+    the records of the restarted start; steps lost back to the checkpoint it restored."""
+    from jaxpar.bench import recovery_peer
+
+    def lines(name, recs):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in recs))
+
+    lines("kills.jsonl", [{"time": 100.0, "step": 8, "restart": 0, "rank": 1}])
+    lines("starts.jsonl", [
+        {"restart": 0, "begin": 0.0, "imported": 1.0, "pg": 1.5, "built": 2.0, "restored": 2.0,
+         "step": 0},
+        {"restart": 1, "begin": 101.0, "imported": 104.0, "pg": 104.5, "built": 105.0,
+         "restored": 106.0, "step": 5},
+    ])  # fmt: skip
+    steps = [{"time": 10.0 + s, "step": s, "restart": 0} for s in range(1, 9)]
+    steps += [{"time": 107.0 + s, "step": 6 + s, "restart": 1} for s in range(3)]
+    lines("steps.jsonl", steps)
+    f = recovery_peer.figures(str(tmp_path), 0, every=5)
+    assert f["kills"] == 1 and len(f["recoveries"]) == 1
+    assert (f["recovery_s"], f["to_start_s"], f["init_s"]) == (7.0, 1.0, 4.0)
+    assert (f["restore_s"], f["first_step_s"], f["lost_steps"]) == (1.0, 1.0, 3)
+    assert f["steady_step_s"] == 1.0

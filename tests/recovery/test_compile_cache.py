@@ -210,3 +210,22 @@ def test_train_step_key_covers_the_config_and_leaves_out_a_recipes_own_code():
     assert training.step_parts(dataclasses.replace(s, cfg=other), batch) != parts
     own_loss = dataclasses.replace(cfg, loss=lambda *a: 0.0)
     assert training.step_parts(dataclasses.replace(s, cfg=own_loss), batch) is None
+
+
+def test_spare_prebuilds_the_runs_model_from_its_config_json(tmp_path):
+    """A spare builds the model of the run's config.json abstractly; the worker's build of an
+    equal config and seed takes that one, another config builds its own."""
+    import dataclasses
+    import json
+
+    from jaxpar.config import apply_overrides, resolve_recipe, to_dict
+    from jaxpar.engine import model as model_lib
+
+    cfg = apply_overrides(resolve_recipe("gpt_tiny"), ["model.n_layers=1", "model.d_model=64"])
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))
+    spare.prebuild_model(str(tmp_path))
+    ((_, prebuilt),) = model_lib._PREBUILT
+    other = dataclasses.replace(cfg.model, n_layers=2)
+    assert model_lib.abstract(other, cfg.train.seed) is not prebuilt
+    assert model_lib.abstract(cfg.model, cfg.train.seed) is prebuilt  # used once
+    assert not model_lib._PREBUILT

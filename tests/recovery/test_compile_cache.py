@@ -224,8 +224,8 @@ def test_spare_prebuilds_the_runs_model_from_its_config_json(tmp_path):
     cfg = apply_overrides(resolve_recipe("gpt_tiny"), ["model.n_layers=1", "model.d_model=64"])
     (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))
     spare.prebuild_model(str(tmp_path))
-    ((_, prebuilt),) = model_lib._PREBUILT
+    prebuilt = model_lib._PREBUILT[-1][1]
     other = dataclasses.replace(cfg.model, n_layers=2)
     assert model_lib.abstract(other, cfg.train.seed) is not prebuilt
-    assert model_lib.abstract(cfg.model, cfg.train.seed) is prebuilt  # used once
-    assert not model_lib._PREBUILT
+    assert model_lib.abstract(cfg.model, cfg.train.seed) is prebuilt
+    assert all(m is not prebuilt for _, m in model_lib._PREBUILT)  # used once

@@ -202,6 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from jaxpar.worker import bootstrap
 
     bootstrap.configure_devices()
+    from jaxpar import meshes
     from jaxpar.config import apply_overrides, validate
     from jaxpar.tools import doctor
     from jaxpar.tools.inspect import inspect, inspect_json
@@ -225,12 +226,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             given = doctor.inspect_command(args.recipe, args.mesh, args.overrides, args.target)
             print(inspect(cfg, preset, tmp, audit=not args.no_audit, target=args.target,
-                          with_doctor=doctor_inside, command=given))  # fmt: skip
+                          with_doctor=doctor_inside, command=given,
+                          presets=meshes.PRESETS))  # fmt: skip
         if args.doctor and not doctor_inside:
-
             found = doctor.doctor(cfg, preset, tmp, target=target)
             given = doctor.inspect_command(args.recipe, args.mesh, args.overrides, args.target)
-            print("\n".join(doctor.doctor_lines(found, given, cfg)))
+            print("\n".join(doctor.doctor_lines(found, given, cfg, meshes.PRESETS)))
     return 0
 
 

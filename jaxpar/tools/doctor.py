@@ -529,10 +529,11 @@ def propose(cfg, preset: Preset, run_dir: str, remats, session, base: Compiled, 
     return sorted(found, key=lambda q: (q.remats_after, q.args_after, q.wire_after))
 
 
-def apply_lines(best: Proposal, command: str | None, cfg=None) -> list[str]:
+def apply_lines(best: Proposal, command: str | None, cfg=None, presets=None) -> list[str]:
     """How to apply a proposal: a rule placed first is the recipe's `param_rules_first` (in the
-    recipe, or --set on the command given), and a built-in preset of the same mesh that already
-    puts it first is named; a dropped rule needs a preset of one's own."""
+    recipe, or --set on the command given), and a preset of `presets` ({name: Preset}: the
+    built-in ones, jaxpar.meshes.PRESETS) of the same mesh that already puts it first is named;
+    a dropped rule needs a preset of one's own."""
     if best.first is None:
         return [f"- apply the first with a preset whose parameter rules are {best.preset.params}"]
     have = [list(r) for r in getattr(cfg, "param_rules_first", ())]
@@ -544,7 +545,7 @@ def apply_lines(best: Proposal, command: str | None, cfg=None) -> list[str]:
     ]
     if command is not None:
         out.append(f"  or run: {command} --set {shlex.quote('param_rules_first=' + value)}")
-    names = presets_with_first(best.first, best.preset.mesh)
+    names = presets_with_first(best.first, best.preset.mesh, presets)
     if names:
         out.append(f"  or use the built-in preset {' / '.join(names)} (same mesh), whose "
                    f"parameter rules already put it first: --mesh {names[0]}")  # fmt: skip
@@ -564,16 +565,16 @@ def _json_axes(axes):
     return axes if isinstance(axes, str) or axes is None else list(axes)
 
 
-def presets_with_first(rule: tuple, mesh) -> list[str]:
-    """Built-in presets of the same mesh sizes whose parameter rules start with `rule`."""
-    from jaxpar.meshes import PRESETS  # noqa: PLC0415
+def presets_with_first(rule: tuple, mesh, presets=None) -> list[str]:
+    """The presets of `presets` ({name: Preset}) of the same mesh sizes whose parameter rules
+    start with `rule`."""
 
     def sizes(m) -> dict:
         return {a: n for a, n in m.sizes().items() if n != 1}
 
     want = sizes(mesh)
     out = []
-    for name, p in PRESETS.items():
+    for name, p in (presets or {}).items():
         if p.params[:1] == (rule,) and sizes(p.mesh) == want:
             out.append(name)
     return out
@@ -639,10 +640,10 @@ def doctor(cfg, preset: Preset, run_dir: str, devices=None, propose_fixes: bool 
     }  # fmt: skip
 
 
-def doctor_lines(result: dict, command: str | None = None, cfg=None) -> list[str]:
+def doctor_lines(result: dict, command: str | None = None, cfg=None, presets=None) -> list[str]:
     """The doctor's section of a report (markdown). `command`: the inspect command that gave
     it (recipe, mesh, --set as given), for the command that applies the best change; `cfg`: its
-    config (the rules it already puts first)."""
+    config (the rules it already puts first); `presets`: the named presets a fix may point to."""
     out = ["", "## doctor: SPMD partitioner warnings", ""]
     remats = result["remats"]
     if not remats:
@@ -654,7 +655,7 @@ def doctor_lines(result: dict, command: str | None = None, cfg=None) -> list[str
         props = result["proposals"]
         if props:
             out += [p.line() for p in props[:3]]
-            out += apply_lines(props[0], command, cfg)
+            out += apply_lines(props[0], command, cfg, presets)
         else:
             out.append("- no single rule change removed them (tried moving and dropping the rules)")
     out += ["", "## doctor: largest collectives (bytes sent per device per step)", "",

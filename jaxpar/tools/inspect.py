@@ -238,10 +238,11 @@ def _target_lines(cfg: TrainConfig, res: targets.Result) -> list[str]:
 
 def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True,
             target: str | None = None, with_doctor: bool = False,
-            command: str | None = None) -> str:  # fmt: skip
+            command: str | None = None, presets=None) -> str:  # fmt: skip
     """The inspection report as markdown text. `target`: compiled by that target's compiler for
     its devices (jaxpar.tools.targets); `with_doctor` (with a target): the doctor's section from
-    the same compilation; `command`: the inspect command as given (doctor.inspect_command)."""
+    the same compilation; `command`: the inspect command as given (doctor.inspect_command);
+    `presets`: the named presets the doctor's fix may point to."""
     t = targets.get(target) if target else None
     s = _session(cfg, preset, run_dir, t)
     rows, params_dev, state_dev = param_table(s)
@@ -300,5 +301,5 @@ def inspect(cfg: TrainConfig, preset: Preset, run_dir: str, audit: bool = True,
         out += pipeline.inspect_lines(cfg, s.program, colls if audit else None)
     out += attention.inspect_lines(s.program.attention, colls if audit else None)
     if found is not None:
-        out += doctor.doctor_lines(found, command, cfg)
+        out += doctor.doctor_lines(found, command, cfg, presets)
     return "\n".join(out)

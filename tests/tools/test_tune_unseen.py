@@ -17,6 +17,7 @@ from jaxpar.config import apply_overrides, resolve_recipe, validate
 from jaxpar.engine import collectives
 from jaxpar.engine.mesh import MeshSpec
 from jaxpar.engine.rules import ACT_RULES, PARAM_RULES, Preset
+from jaxpar.meshes import PRESETS
 from jaxpar.parallel.program import with_recipe_rules
 from jaxpar.tools import doctor, hardware, tune
 
@@ -155,7 +156,7 @@ def test_the_doctors_rule_first_runs_from_a_recipe_or_names_the_preset():
     best = doctor.Proposal(f"put parameter rule {rule} first", verified, 2, 0, 1, 0, 1, 0,
                            first=rule)  # fmt: skip
     given = doctor.inspect_command(SCAN_LM, "data=2,fsdp=2,tensor=2", ["model.d_model=64"])
-    lines = doctor.apply_lines(best, given, validate(resolve_recipe(SCAN_LM)))
+    lines = doctor.apply_lines(best, given, validate(resolve_recipe(SCAN_LM)), PRESETS)
     assert "TrainConfig(param_rules_first=(('vocab', ('tensor', 'fsdp')),))" in lines[0]
     run = next(x for x in lines if "or run: " in x).split("or run: ", 1)[1]
     import shlex
@@ -166,7 +167,7 @@ def test_the_doctors_rule_first_runs_from_a_recipe_or_names_the_preset():
     cfg = validate(apply_overrides(resolve_recipe(args.recipe), args.overrides))
     assert with_recipe_rules(cfg, PARAM_RULES, ACT_RULES) == (verified.params, ACT_RULES)
     assert "--mesh dp2_fsdp2_tp2" in lines[-1]  # the built-in preset that holds the rule
-    assert doctor.presets_with_first(rule, MeshSpec.parse("data=8")) == []
+    assert doctor.presets_with_first(rule, MeshSpec.parse("data=8"), PRESETS) == []
 
 
 def test_noisy_measurements_are_said_to_be():

@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from jaxpar.worker.group_layout import screen_pieces
+
 EXTRA = "jaxpar[gloo]"
 # "hub": every step averages through the group hub, the engine installed or not
 ENV_EXCHANGE = "JAXPAR_GROUP_EXCHANGE"
@@ -195,17 +197,7 @@ def screen(pieces: list[tuple[int, np.ndarray]], norm_of: range | None) -> tuple
     """This process's report for the hub's screen, from the shards it owns ((leaf, array)): the
     leaves holding a NaN or an infinity, and the sum of squares (float64) of the finite ones in
     `norm_of` (all when None), as the hub's own screen reads them."""
-    bad: set[int] = set()
-    squares = 0.0
-    for leaf, a in pieces:
-        if a.dtype.kind != "f" or leaf in bad:
-            continue
-        if not np.isfinite(a).all():
-            bad.add(leaf)
-        elif norm_of is None or leaf in norm_of:
-            x = a.reshape(-1).astype(np.float64)
-            squares += float(x @ x)
-    return sorted(bad), squares
+    return screen_pieces(pieces, norm_of)
 
 
 __all__ = ["ENV_EXCHANGE", "EXTRA", "Engine", "Plan", "screen"]

@@ -158,25 +158,38 @@ def nbytes(shapes, dtypes) -> int:
     return sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True))
 
 
+def screen_pieces(pieces, norm_of=None) -> tuple[list[int], float]:
+    """The screen of (leaf, array) pieces: the leaves holding a NaN or an infinity, and the sum
+    of squares (float64) of the finite floating pieces of the leaves in `norm_of` (all when
+    None)."""
+    bad: set[int] = set()
+    squares = 0.0
+    for leaf, a in pieces:
+        if a.dtype.kind != "f" or leaf in bad:
+            continue
+        if not np.isfinite(a).all():
+            bad.add(leaf)
+        elif norm_of is None or leaf in norm_of:
+            x = a.reshape(-1).astype(np.float64)
+            squares += float(x @ x)
+    return sorted(bad), squares
+
+
 def screen(parts: list[tuple[Layout, list[np.ndarray]]], norm_of=None) -> tuple[list[int], float]:
     """One group's pieces (its processes' `parts`, which tile each leaf once): the leaves holding
     a NaN or an infinity, and the L2 norm (float64) of the finite leaves in `norm_of` (all when
     None)."""
-    bad: set[int] = set()
-    squares = 0.0
-    for lay, arrays in parts:
-        at = 0
-        for leaf, idx in enumerate(lay.pieces):
-            for a in arrays[at : at + len(idx)]:
-                if a.dtype.kind != "f" or leaf in bad:
-                    continue
-                if not np.isfinite(a).all():
-                    bad.add(leaf)
-                elif norm_of is None or leaf in norm_of:
-                    x = a.reshape(-1).astype(np.float64)
-                    squares += float(x @ x)
-            at += len(idx)
-    return sorted(bad), math.sqrt(squares)
+
+    def pieces():
+        for lay, arrays in parts:
+            at = 0
+            for leaf, idx in enumerate(lay.pieces):
+                for a in arrays[at : at + len(idx)]:
+                    yield leaf, a
+                at += len(idx)
+
+    bad, squares = screen_pieces(pieces(), norm_of)
+    return bad, math.sqrt(squares)
 
 
 def assemble(parts: list[tuple[Layout, list[np.ndarray]]]) -> list[np.ndarray]:

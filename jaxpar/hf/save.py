@@ -28,7 +28,7 @@ from jaxpar.hf import config as hf_config
 from jaxpar.hf import load as hf_load
 from jaxpar.hf import names as hf_names
 from jaxpar.hf import tensors
-from jaxpar.rundir.ownership import under_system_dir
+from jaxpar.rundir.ownership import check_creatable, under_system_dir
 
 DEFAULT_SHARD_BYTES = 2 << 30
 MAX_TOKENIZER_BYTES = 256 << 20
@@ -66,14 +66,7 @@ def check_out(out: str, force: bool = False) -> None:
         )
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; choose a folder name")
-    parent = os.path.dirname(os.path.abspath(out))
-    probe = parent
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise ValueError(f"--out {out}: {probe} is a file, not a folder; choose another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {probe} is not writable; choose another folder")
+    check_creatable(out)
 
 
 def plan_shards(layout: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list]:

@@ -83,6 +83,13 @@ def check_file_path(out: str, option: str = "--out") -> str:
     if os.path.isdir(out):
         raise ValueError(f"{option} {out} is a folder; name a file in it, e.g. {option} "
                          f"{os.path.join(out, 'NAME')}")  # fmt: skip
+    check_creatable(out, option)
+    return os.path.abspath(out)
+
+
+def check_creatable(out: str, option: str = "--out") -> None:
+    """Refuse a path whose nearest existing ancestor is a file or an unwritable folder (ValueError
+    naming `option` and the fix): what is missing above it could not be created."""
     probe = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
@@ -90,7 +97,6 @@ def check_file_path(out: str, option: str = "--out") -> str:
         raise ValueError(f"{option} {out}: {probe} is a file, not a folder; choose another path")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {out}: {probe} is not writable; choose another folder")
-    return os.path.abspath(out)
 
 
 def check_owner(run_dir: str) -> None:

@@ -26,28 +26,62 @@ CONFIGS = {
     # FSDP 8, local batch 2 (global 16), seq 8192 (train_configs/llama3_8b.toml), bf16. At two
     # sequences per GPU jaxpar's CUDA program needs 129.6 GiB (its attention keeps the scores);
     # `_fit` is the same step as two accumulated microbatches of one sequence per GPU.
-    "torchtitan_llama3_8b": ("h100x8", "llama3_8b", ["data.global_batch=16"], {"fsdp": 8},
-                             {"model.remat": "block", "train.microbatches": 1}),
-    "torchtitan_llama3_8b_fit": ("h100x8", "llama3_8b", ["data.global_batch=16"], {"fsdp": 8},
-                                 {"model.remat": "block", "train.microbatches": 2}),
+    "torchtitan_llama3_8b": (
+        "h100x8",
+        "llama3_8b",
+        ["data.global_batch=16"],
+        {"fsdp": 8},
+        {"model.remat": "block", "train.microbatches": 1},
+    ),
+    "torchtitan_llama3_8b_fit": (
+        "h100x8",
+        "llama3_8b",
+        ["data.global_batch=16"],
+        {"fsdp": 8},
+        {"model.remat": "block", "train.microbatches": 2},
+    ),
     # Megatron-LM README images/model_table.png, row 1.7B: 24 layers, hidden 2048, 16 heads,
     # TP 1, PP 1, DP 48, batch 192 (4 sequences per GPU), seq 4096, vocabulary 131,072
-    "megatron_gpt_1p7b": ("h100x8", "gpt_350m",
-                          ["model.vocab_size=131072", "model.seq_len=4096", "model.d_model=2048",
-                           "model.n_heads=16", "model.n_layers=24", "model.d_mlp=8192",
-                           "data.seq_len=4096", "data.global_batch=32"],
-                          {"data": 8}, {"model.remat": "dots", "train.microbatches": 1}),
+    "megatron_gpt_1p7b": (
+        "h100x8",
+        "gpt_350m",
+        [
+            "model.vocab_size=131072",
+            "model.seq_len=4096",
+            "model.d_model=2048",
+            "model.n_heads=16",
+            "model.n_layers=24",
+            "model.d_mlp=8192",
+            "data.seq_len=4096",
+            "data.global_batch=32",
+        ],
+        {"data": 8},
+        {"model.remat": "dots", "train.microbatches": 1},
+    ),
     # MaxText configs/v5e/README.md and configs/v5e/16b.sh as of 2023-12-15 (76bd53b0f):
     # global_parameter_scale=16 of that base.yml (emb 5120, 32 heads of 256, mlp 32768 relu,
     # 32 layers, vocabulary 32,768, logits via the embedding), per_device_batch_size=6 on
     # v5e-256 (1,536 sequences), max_target_length=2048, remat_policy=full, FSDP over the slice,
     # bf16. jaxpar's Llama has a SwiGLU MLP: d_mlp 21,760 (x3 matmuls) has the FLOPs of 32,768 x2.
-    "maxtext_v5e_16b": ("v5e-256", "llama3_8b",
-                        ["model.vocab_size=32768", "model.seq_len=2048", "model.d_model=5120",
-                         "model.n_heads=32", "model.n_kv_heads=32", "model.head_dim=256",
-                         "model.d_mlp=21760", "model.n_layers=32", "model.tie_embeddings=true",
-                         "data.seq_len=2048", "data.global_batch=1536"],
-                        {"fsdp": 256}, {"model.remat": "block", "train.microbatches": 1}),
+    "maxtext_v5e_16b": (
+        "v5e-256",
+        "llama3_8b",
+        [
+            "model.vocab_size=32768",
+            "model.seq_len=2048",
+            "model.d_model=5120",
+            "model.n_heads=32",
+            "model.n_kv_heads=32",
+            "model.head_dim=256",
+            "model.d_mlp=21760",
+            "model.n_layers=32",
+            "model.tie_embeddings=true",
+            "data.seq_len=2048",
+            "data.global_batch=1536",
+        ],
+        {"fsdp": 256},
+        {"model.remat": "block", "train.microbatches": 1},
+    ),
 }
 
 

@@ -785,6 +785,15 @@ def _report(w: Wire, step: int, digest: str = "d", bad=(), sq: float = 1.0) -> N
             "leaves": 2, "parts": [["loss", 1], ["gradients", 1]]})  # fmt: skip
 
 
+def _started_p2p(hub: Hub, groups=(0, 1)) -> list[Wire]:
+    """Workers of `groups` connected, ready with their peer-to-peer stores, and started."""
+    wires = [_connect(hub, g) for g in groups]
+    for g, w in zip(groups, wires, strict=True):
+        w.send({**_ready(0), "p2p": STORES[g]})
+    assert all(w.recv()[0]["kind"] == "start" for w in wires)
+    return wires
+
+
 def _exchanged(ws: list[Wire], step: int, quorum: list[int], store: str):
     """The exchange each of `ws` (quorum's processes, in order) is told of: its epoch."""
     heads = [w.recv()[0] for w in ws]
@@ -815,10 +824,7 @@ def test_hub_peer_to_peer_screens_reports_reforms_communicators_and_falls_back_t
         return _exchanged(ws, step, quorum, STORES[quorum[0]])
 
     try:
-        wires = [_connect(hub, g) for g in range(3)]
-        for g, w in enumerate(wires):
-            w.send({**_ready(0), "p2p": STORES[g]})
-        assert all(w.recv()[0]["kind"] == "start" for w in wires)
+        wires = _started_p2p(hub, range(3))
         # step 0: group 2 holds other shards: every group is asked for its shards
         for g, w in enumerate(wires):
             report(w, 0, digest="other" if g == 2 else "d")
@@ -883,10 +889,7 @@ def test_hub_peer_to_peer_step_a_group_joins_at_waits_for_it_and_is_exchanged_ag
     hub, events = _hub(3, min_groups=1)
     hub.alive.discard(2)  # not started yet
     try:
-        w0, w1 = _connect(hub, 0), _connect(hub, 1)
-        for g, w in enumerate((w0, w1)):
-            w.send({**_ready(0), "p2p": STORES[g]})
-        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        w0, w1 = _started_p2p(hub)
         for w in (w0, w1):
             _report(w, 0)
         e = _exchanged([w0, w1], 0, [0, 1], STORES[0])
@@ -970,10 +973,7 @@ def test_hub_peer_to_peer_exchange_failing_twice_with_every_member_answering_dro
     why, and the other commits the step alone."""
     hub, _ = _hub(2, min_groups=1)
     try:
-        w0, w1 = _connect(hub, 0), _connect(hub, 1)
-        for g, w in enumerate((w0, w1)):
-            w.send({**_ready(0), "p2p": STORES[g]})
-        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        w0, w1 = _started_p2p(hub)
         for w in (w0, w1):
             _report(w, 0)
         for _ in range(2):
@@ -995,10 +995,7 @@ def test_hub_peer_to_peer_leaves_the_engine_cannot_sum_go_through_the_hub(capsys
     the others are asked for theirs, and the launch says why once."""
     hub, _ = _hub(2, min_groups=1)
     try:
-        w0, w1 = _connect(hub, 0), _connect(hub, 1)
-        for g, w in enumerate((w0, w1)):
-            w.send({**_ready(0), "p2p": STORES[g]})
-        assert w0.recv()[0]["kind"] == "start" and w1.recv()[0]["kind"] == "start"
+        w0, w1 = _started_p2p(hub)
         _report(w0, 0)
         fields = group_layout.whole([np.array([1.0], np.float32)])
         w1.send({"kind": "average", "step": 0, "p2p_missing": "leaves of dtype bool, which "

@@ -1,7 +1,8 @@
 """`python -m train` and `jaxpar inspect` as a user runs them: subprocesses on 8 CPU devices.
 
 Checks the run-directory contract of docs/design.md (config.json, metrics.jsonl, events.jsonl,
-incarnation, summary.json) on a 12-step gpt_tiny run with evaluation every 6 steps.
+incarnation, summary.json) on a 12-step run of gpt_tiny made small (helpers.SMALL: the contract,
+not the model, is the point) with evaluation every 6 steps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.support.helpers import ok, run, train_cmd
+from tests.support.helpers import SMALL, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,8 @@ def _jsonl(path: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("gpt_tiny") / "run")
-    proc = ok(run(train_cmd(run_dir, "--set", "train.eval_every=6", steps=12), timeout=TIMEOUT_S))
+    cmd = train_cmd(run_dir, "--set", "train.eval_every=6", *SMALL, steps=12)
+    proc = ok(run(cmd, timeout=TIMEOUT_S))
     return run_dir, proc
 
 
@@ -47,6 +49,7 @@ def test_config_json_is_the_resolved_config(gpt_run):
     assert cfg["name"] == "gpt_tiny"
     assert cfg["train"]["steps"] == 12 and cfg["train"]["eval_every"] == 6
     assert cfg["model"]["_class"] == "jaxpar.models.gpt:GPTConfig"
+    assert cfg["model"]["n_layers"] == 1 and cfg["model"]["d_model"] == 64  # --set (SMALL)
     assert cfg["mesh_resolved"] == "data=8,fsdp=1,tensor=1,pipeline=1"  # no --mesh: all on data
 
 

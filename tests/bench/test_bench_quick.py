@@ -75,8 +75,8 @@ def test_bench_pipeline_quick(tmp_path):
               "--set", "model.d_model=64", "--set", "model.d_mlp=128")  # fmt: skip
     rows = r["rows"]
     assert {(row["p"], row["m"], row["schedule"]) for row in rows} == {
-        (2, m, s) for m in (2, 4, 6) for s in schedules
-    }
+        (2, m, s) for m in (2, 4) for s in schedules
+    }  # quick: two m per schedule (the full run takes five)
     for row in rows:
         assert _positive(row["step_s_median"]) and _positive(row["step_s_min"])
         assert row["ticks"] >= 3 * row["m"] * row["v"] + row["p"] - 1  # F, B and W: a tick each

@@ -1,6 +1,6 @@
-"""`jaxpar bench precision --quick`: four variants (fp32/bf16 x remat off/on) of gpt_tiny (2 layers) on one
-device, in one subprocess; checks precision.json's shape and the deterministic memory figures
-(timings are not asserted: tests never assert on wall-clock time)."""
+"""`jaxpar bench precision --quick`: four variants (fp32/bf16 x remat off/on) of gpt_tiny made small
+(helpers.SMALL) on one device, in one subprocess; checks precision.json's shape and the
+deterministic memory figures (timings are not asserted: tests never assert on wall-clock time)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import math
 import pytest
 
 from tests.bench.test_bench_quick import bench
+from tests.support.helpers import SMALL
 
 
 @pytest.mark.slow
 def test_bench_precision_quick(tmp_path):
-    r = bench("precision", str(tmp_path), "--set", "model.n_layers=2")  # half of gpt_tiny: faster
+    r = bench("precision", str(tmp_path), *SMALL)  # one narrow block: the variants compile fast
     assert r["suite"] == "precision" and r["recipe"] == "gpt_tiny" and r["devices"] == 1
+    assert r["overrides"] == list(SMALL[1::2])
     rows = {(row["compute"], row["remat"]): row for row in r["rows"]}
     assert set(rows) == {("float32", "none"), ("float32", "block"), ("bfloat16", "none"),
                          ("bfloat16", "block")}  # fmt: skip

@@ -19,7 +19,8 @@ import jax
 from jaxpar.bench.harness import Bench, table
 
 FULL = {"overrides": ["data.global_batch=8"], "saves": 5, "rounds": 4, "every": 5}
-QUICK = {"overrides": ["data.global_batch=8"], "saves": 3, "rounds": 2, "every": 3}
+# quick: each measurement once (one pair of blocks, two saves of each kind): that it runs
+QUICK = {"overrides": ["data.global_batch=8"], "saves": 2, "rounds": 1, "every": 3}
 # The default recipe scaled up for the full benchmark (a state worth measuring).
 SCALE_UP = ["model.d_model=512", "model.n_heads=8", "model.n_layers=4", "model.d_mlp=2048"]
 

@@ -13,19 +13,24 @@ import sys
 import jax
 import pytest
 
+from jaxpar.config import apply_overrides
 from jaxpar.recovery.checkpoint import Checkpointer
 from jaxpar.rundir.writer import RunDir
-from tests.support.helpers import cpu_env, ok, run, train_cmd
+from tests.support.helpers import SMALL, cpu_env, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
 SAVED_AT = 3
+# The layouts' point is the sequence split and the restore, not the model: one block of width 64
+# (helpers.SMALL), as the checkpoint tests' runs
+SMALL_SETS = SMALL[1::2]
 
 
 @pytest.fixture(scope="module")
 def saved_on_context(jp, tmp_path_factory):
-    """gpt_tiny (seq_len 64) trained 3 steps on dp2_cp4, saved, and its next step's loss."""
-    cfg = jp.recipe("gpt_tiny", steps=10)
+    """gpt_tiny made small (seq_len 64, one block of width 64) trained 3 steps on dp2_cp4, saved,
+    and its next step's loss."""
+    cfg = apply_overrides(jp.recipe("gpt_tiny", steps=10), SMALL_SETS)
     built = jp.build(cfg, "dp2_cp4")
     state, _ = jp.train_steps(built, built.program.init(), 0, SAVED_AT)
     rundir = RunDir(str(tmp_path_factory.mktemp("ctx") / "run"))
@@ -53,7 +58,7 @@ def test_restore_across_context_layouts_gives_the_same_next_loss(jp, saved_on_co
 def test_sample_from_a_run_trained_on_a_context_mesh(tmp_path):
     run_dir = tmp_path / "run"
     ok(run(train_cmd(run_dir, "--recipe", "gpt_tiny", "--mesh", "dp2_cp4", "--set",
-                     "ckpt.every=2", steps=2), cpu_env(devices=8)))  # fmt: skip
+                     "ckpt.every=2", *SMALL, steps=2), cpu_env(devices=8)))  # fmt: skip
     cmd = [sys.executable, "-m", "jaxpar.cli", "sample", str(run_dir), "--prompt", "The ",
            "--max-new-tokens", "12", "--temperature", "0"]  # fmt: skip
     out = ok(run(cmd, cpu_env(devices=1))).stdout

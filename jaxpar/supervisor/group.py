@@ -1,5 +1,6 @@
 """This host's workers: spawn a group, reap exits the moment they happen, signal, stop, and keep
-hot spares (jaxpar/worker/spare.py) and a standby group (jaxpar/worker/standby.py) for the next group."""
+a spare pool that forks them (jaxpar/worker/spare.py; hot spares, one per slot, where a pool
+cannot serve) and a standby group (jaxpar/worker/standby.py) for the next group."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from jaxpar.supervisor.options import (
     say,
 )
 from jaxpar.supervisor.policy import worker_env
+from jaxpar.supervisor.spare_pool import ForkedWorker, SparePool
 from jaxpar.supervisor.standby_group import Standby
 from jaxpar.worker import bootstrap
 from jaxpar.worker import spare as spare_lib
@@ -87,13 +89,14 @@ class LocalGroup:
     def __init__(self, opts: Options, waker: Wakeup | None = None):
         self.opts = opts
         self.waker = waker or Wakeup()
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | ForkedWorker] = {}
         self.pidfds: dict[int, int | None] = {}
         self.logs: dict[int, str] = {}
         self.reported: set[int] = set()
         self.attempt = -1  # which group these workers are (exits are tagged with it)
         self.spec: dict | None = None
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
+        self.pool: SparePool | None = None  # forks this host's workers (not replica groups')
         self.spares_due = False  # start spares once this group has started
         self.standby: Standby | None = None  # the next incarnation's workers, built ahead
         self.standby_due = False  # build it once this group has completed a step
@@ -133,8 +136,11 @@ class LocalGroup:
             path = os.path.join(self.log_dir, name)
             self.logs[pid] = path
             spare = self.spares.pop(local_rank, None)
+            forked = None
             if spare is not None and self._hand_over(spare, env, self.opts.command, path):
                 self.procs[pid] = spare
+            elif (forked := self._fork(spec, env, path)) is not None:
+                self.procs[pid] = forked
             else:
                 with self._log(path) as log:
                     self.procs[pid] = subprocess.Popen(
@@ -165,6 +171,41 @@ class LocalGroup:
         for fd in self.pidfds.values():
             self.waker.unwatch(fd)
         self.pidfds = {}
+
+    # -- the spare pool: one preloaded process that forks this host's workers ----------------
+
+    def _pool_wanted(self) -> bool:
+        """Spares on, and a command a spare can run."""
+        return self.opts.spares and spare_lib.target_of(self.opts.command) is not None
+
+    def _fork(self, spec: dict, env: dict, path: str) -> ForkedWorker | None:
+        """This worker forked from the pool (started with the job's first group), or None."""
+        if self.pool is None:
+            if not self._pool_wanted():
+                return None
+            name = f"spare-pool-proc{spec['process_ids'][0]}.log"
+            with self._log(os.path.join(self.log_dir, name)) as log:
+                target = spare_lib.target_of(self.opts.command) or ""
+                self.pool = SparePool(env, target, log)
+        if self.pool.broken:
+            return None
+        forked = self.pool.fork({**env, bootstrap.ENV_START_PATH: "spare"}, self.opts.command, path)
+        if forked is None:
+            say(f"workers start cold from now on: {self.pool.broken}")
+        return forked
+
+    def warm(self, nproc: int) -> bool:
+        """Whether a group of `nproc` workers on this host would start warm (imports done):
+        from the pool, or from as many hot spares."""
+        if self.pool is not None:
+            return not self.pool.broken
+        return len(self.spares) >= nproc or (self.spec is None and self._pool_wanted())
+
+    def release_pool(self) -> None:
+        """Once this host's workers are stopped: the pool exits."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     # -- hot spares: the next group's workers, started while this one trains -----------------
 
@@ -197,6 +238,9 @@ class LocalGroup:
         if not self.spares_due or self.spec is None or runlog.WorkerEvent.START not in self.seen:
             return
         self.spares_due = False
+        if self.pool is not None and not self.pool.broken:  # the pool stands in for spares;
+            self.pool.prebuild()  # the run's config.json now exists: the model, built ahead
+            return
         target = spare_lib.target_of(self.opts.command)
         if target is None:  # a spare runs `python -m MOD` or `python SCRIPT` of this interpreter
             return
@@ -372,3 +416,4 @@ class LocalNode:
         self.group.kill_all()
         self.group.release_spares()
         self.group.release_standby()
+        self.group.release_pool()

@@ -185,6 +185,9 @@ class RemoteGroup:
     def release_spares(self) -> None:
         """The agent releases its own when it leaves."""
 
+    def release_pool(self) -> None:
+        """The agent releases its own when it leaves."""
+
     def release_standby(self) -> None:
         """Never one on another host."""
 
@@ -213,6 +216,7 @@ class FollowerGroups:
             if grp is not None:  # another job's group (a leader started again): gone first
                 grp.kill_all()
                 grp.release_spares()
+                grp.release_pool()
             grp = ReplicaGroup(self.opts, self.waker, g, spec["hub"], key, groups=spec["groups"],
                                host_offset=offset)  # fmt: skip
             self.groups[g] = grp
@@ -222,7 +226,7 @@ class FollowerGroups:
             port = free_port("127.0.0.1")
             spec = dict(spec, coordinator=join_address("127.0.0.1", port),
                         bind=join_address("127.0.0.1", port), standby=False)  # fmt: skip
-            path = "spares" if len(grp.spares) >= len(spec["process_ids"]) else "cold"
+            path = "spares" if grp.warm(len(spec["process_ids"])) else "cold"
         grp.start(spec)
         pids = [grp.procs[p].pid for p in spec["process_ids"]]
         return {"started": True, "group": g, "attempt": grp.attempt, "pids": pids, "path": path,
@@ -261,6 +265,7 @@ class FollowerGroups:
             grp.kill_all()
             grp.release_spares()
             grp.release_standby()
+            grp.release_pool()
 
 
 __all__ = ["FollowerGroups", "RemoteGroup", "RemoteHost", "check_group_spec", "group_key"]

@@ -112,12 +112,13 @@ class Incarnation:
     def _restart_path(self, want: dict) -> tuple[str, str]:
         """standby | spares | cold for the group about to start, and why not the standby."""
         group = self.job.nodes[0].group
+        warm = group.warm(len(want["process_ids"]))
         if self.job.incarnation == 0 and group.standby is None:
-            return ("spares" if group.spares else "cold"), ""  # the job's first start
+            return ("spares" if warm else "cold"), ""  # the job's first start
         return restart_path(
             enabled=self.job.opts.standby, nnodes=len(self.job.nodes), standby=group.standby_spec(),
             ready=group.standby_ready(), want=want,
-            spares=bool(group.spares) and len(group.spares) >= len(want["process_ids"]),
+            spares=warm,
         )  # fmt: skip
 
     def _record(self, out: Outcome) -> None:

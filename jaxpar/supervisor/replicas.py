@@ -938,6 +938,7 @@ class ReplicaSupervisor(JobState):
             for grp in self.groups:
                 grp.kill_all()
                 grp.release_spares()
+                grp.release_pool()
                 grp.release_standby()
             for host in self.hosts:
                 host.close(code)
@@ -973,7 +974,7 @@ class ReplicaSupervisor(JobState):
         bind = grp.world_bind()
         port = free_port(bind)
         spec.update(coordinator=join_address("127.0.0.1", port), bind=join_address(bind, port))
-        path = "spares" if len(grp.spares) >= len(ids) else "cold"
+        path = "spares" if grp.warm(len(ids)) else "cold"
         if grp.standby_ready():  # built for this group's next start: its own world, warmed up
             spec, path = dict(grp.standby_spec() or {}, standby=True), "standby"
         self.hub.running(g)

@@ -330,6 +330,7 @@ def run_follower(opts: Options) -> int:
     finally:
         group.kill_all()
         group.release_spares()
+        group.release_pool()
         replicas.close()
         chan.close()
 

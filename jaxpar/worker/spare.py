@@ -13,19 +13,40 @@ What a cold start reads at import time must not differ: if an environment variab
 or XLA_* changed since the spare started, or a jax backend was already initialised, the spare
 replaces itself with the command (`os.execvpe`) — correct, just not faster.
 
+The spare pool (`python -m jaxpar.worker.spare --pool`) is the same preload in one process per
+host that forks each worker instead of becoming one: `jaxpar launch` starts it with a job's first
+group and asks it for every worker of every group (the first one too), so a host pays the
+imports once rather than once per worker and per restart. Its protocol, one JSON line each way
+(requests on stdin, replies on stdout; the pool's own output goes to stderr):
+
+    {"op": "fork", "env": {...}, "argv": [...], "log": PATH}  ->  {"forked": PID}
+                                                                   | {"refused": WHY}
+    {"op": "prebuild"}   build the run's model abstractly now (config.json exists by then)
+    (a forked worker ends)                                    ->  {"exit": PID, "code": CODE}
+
+A forked worker is a child of the pool (its parent-death signal follows the pool, which dies
+with the supervisor); CODE is what `subprocess.Popen.returncode` would say (-N: signal N). The
+pool forks only while it is what a cold start would be: one Python thread, no jax backend, and
+the worker's JAX_*/XLA_* environment its own. End of input: the pool exits once its workers have.
+
     python -m jaxpar.worker.spare      # started by the supervisor, never by hand
+    python -m jaxpar.worker.spare --pool
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import importlib
 import json
 import os
 import runpy
+import selectors
 import shutil
 import sys
+import threading
+import traceback
 
 from jaxpar import _compat
 from jaxpar.worker import bootstrap
@@ -44,6 +65,9 @@ PRELOAD = (
     "jaxpar.api",  # an entrypoint of one's own (jaxpar.entrypoint, build, CheckpointManager)
 )
 IMPORT_TIME_PREFIXES = ("JAX_", "XLA_")
+# ... except what jax reads only when the worker calls it (jax.distributed.initialize), which a
+# worker's slot sets apart from its neighbours'
+RUN_TIME_ONLY = frozenset({"JAX_LOCAL_DEVICE_IDS"})
 ENV_TARGET = "JAXPAR_SPARE_TARGET"  # the supervisor's `target_of(command)`, for the preload
 
 
@@ -78,9 +102,11 @@ def target_of(argv: list[str]) -> str | None:
     return f"script:{script}" if script is not None else None
 
 
-def preload(target: str | None) -> None:
+def preload(target: str | None, pool: bool = False) -> None:
     """Import what the command will (`target`: target_of's). A script runs with its own
-    directory first on sys.path instead of the current one, so the imports look there too."""
+    directory first on sys.path instead of the current one, so the imports look there too.
+    `pool`: this process forks workers, so it starts no thread (a replica group's engine only
+    imported: each worker starts its own)."""
     kind, _, name = (target or "").partition(":")
     if kind == "script":
         sys.path[0] = _script_dir(name)
@@ -96,7 +122,12 @@ def preload(target: str | None) -> None:
     code_digest()  # part of the train step's cache key: read now, not after a failure
     from jaxpar.worker import groups
 
-    if groups.active():  # a replica group's spare: torch imported and its store started now
+    if groups.active() and pool:  # the group engine's import (torch), never its threads
+        try:
+            importlib.import_module("torch.distributed")
+        except ImportError:
+            pass  # the worker says so: its exchange goes through the hub
+    elif groups.active():  # a replica group's spare: torch imported and its store started now
         groups.engine()
     prebuild_model(os.environ.get(bootstrap.ENV_RUN_DIR))
     # What is imported now lives as long as the process: out of the collector's sight, so a
@@ -112,8 +143,8 @@ def prebuild_model(run_dir: str | None) -> None:
     the build to the worker."""
     from jaxpar.engine import model as model_lib
 
-    if not run_dir:
-        return
+    if not run_dir or not os.path.exists(os.path.join(run_dir, "config.json")):
+        return  # a new run: its first group writes it (the pool prebuilds when asked, then)
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             raw = json.load(f)
@@ -165,7 +196,8 @@ def can_run_here(env: dict[str, str], argv: list[str]) -> bool:
     """Whether running `argv` in this process equals a cold start of it."""
     if target_of(argv) is None or backend_initialised():
         return False
-    keys = {k for k in (*env, *os.environ) if k.startswith(IMPORT_TIME_PREFIXES)}
+    keys = {k for k in (*env, *os.environ)
+            if k.startswith(IMPORT_TIME_PREFIXES) and k not in RUN_TIME_ONLY}  # fmt: skip
     return all(env.get(k) == os.environ.get(k) for k in keys)
 
 
@@ -190,6 +222,12 @@ def activate(msg: dict) -> None:
         os.execvpe(argv[0], argv, env)
     os.environ.clear()
     os.environ.update(env)  # the worker's environment, as an exec would set it
+    _run(argv)
+    sys.exit(0)
+
+
+def _run(argv: list[str]) -> None:
+    """Run `argv` (target_of's kinds) in this process, as `python -m MOD` / `python SCRIPT`."""
     module, script = module_of(argv), script_of(argv)
     if module is not None:
         sys.argv = [module, *argv[3:]]
@@ -198,10 +236,173 @@ def activate(msg: dict) -> None:
         sys.argv = [script, *argv[2:]]
         sys.path[0] = _script_dir(script)
         runpy.run_path(script, run_name="__main__")
-    sys.exit(0)
+
+
+# -- the spare pool: one preloaded process per host that forks the workers -------------------
+
+MAX_REQUEST = 16 << 20  # bytes of one request line (an environment and a command line)
+
+
+def exit_code(code: object) -> int:
+    """The process exit status `sys.exit(code)` gives (None: 0; an int; anything else printed
+    to stderr: 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """End a forked worker as the interpreter would end a cold one: wait for its non-daemon
+    threads, run its atexit functions, flush, exit with `code` (never returns)."""
+    try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - as at interpreter exit: reported, the code stands
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _forked_worker(msg: dict, server_fds: list[int]) -> None:
+    """In the child the pool just forked: become the worker `msg` describes (never returns)."""
+    code = 1
+    try:
+        os.setsid()  # its own session and process group, as the supervisor's Popen gives
+        for fd in server_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        env = dict(msg["env"])
+        env[bootstrap.ENV_SUPERVISOR_PID] = str(os.getppid())  # it dies with the pool
+        redirect(msg["log"])
+        os.environ.clear()
+        os.environ.update(env)
+        bootstrap.die_with_supervisor()
+        gc.unfreeze()  # the worker's own objects are collected as in a cold start
+        _run(list(msg["argv"]))
+        code = 0
+    except SystemExit as e:
+        code = exit_code(e.code)
+    except BaseException:  # noqa: BLE001 - an uncaught exception, as the interpreter reports it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish(code)
+
+
+class _Pool:
+    """The pool's loop: requests from the supervisor, forks, and the exits of its workers."""
+
+    def __init__(self, requests: int, replies: int):
+        self.requests, self.replies = requests, replies
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(requests, selectors.EVENT_READ, None)
+        self.children: dict[int, int] = {}  # pid -> pidfd
+        self.buf = b""
+        self.open = True
+
+    def reply(self, msg: dict) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        while data:
+            data = data[os.write(self.replies, data) :]
+
+    def why_not(self, msg: dict) -> str:
+        """Why a fork now would not equal a cold start of `msg` ("" if it would)."""
+        if threading.active_count() != 1:
+            return f"{threading.active_count()} Python threads in the pool"
+        if not can_run_here(dict(msg["env"]), list(msg["argv"])):
+            return "a cold start would differ (a jax backend, or JAX_*/XLA_* changed)"
+        return ""
+
+    def fork(self, msg: dict) -> None:
+        why = self.why_not(msg)
+        if why:
+            self.reply({"refused": why})
+            return
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            fds = [self.requests, self.replies, self.sel.fileno(), *self.children.values()]
+            _forked_worker(msg, fds)
+        fd = os.pidfd_open(pid)
+        self.children[pid] = fd
+        self.sel.register(fd, selectors.EVENT_READ, pid)
+        self.reply({"forked": pid})
+
+    def handle(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "fork":
+            self.fork(msg)
+        elif op == "prebuild":
+            prebuild_model(os.environ.get(bootstrap.ENV_RUN_DIR))
+            gc.collect()
+            gc.freeze()
+        else:
+            print(f"spare pool: ignored a request it does not know ({line[:80]!r})", flush=True)
+
+    def read_requests(self) -> None:
+        chunk = os.read(self.requests, 1 << 16)
+        if not chunk:  # released: no more workers; exit once the ones running have
+            self.open = False
+            self.sel.unregister(self.requests)
+            return
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            if line.strip():
+                self.handle(line)
+        if len(self.buf) > MAX_REQUEST:
+            raise SystemExit(f"spare pool: a request over {MAX_REQUEST} bytes")
+
+    def reap(self, pid: int) -> None:
+        _, status = os.waitpid(pid, 0)
+        fd = self.children.pop(pid)
+        self.sel.unregister(fd)
+        os.close(fd)
+        self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def loop(self) -> None:
+        while self.open or self.children:
+            for key, _ in self.sel.select():
+                if key.data is None:
+                    self.read_requests()
+                else:
+                    self.reap(key.data)
+
+
+def serve() -> int:
+    """The spare pool's process (see the module's doc)."""
+    bootstrap.die_with_supervisor()  # and its workers with it (their parent-death signal)
+    # requests and replies on descriptors of their own: what the pool or a worker prints never
+    # reaches the protocol, and a worker's 0/1/2 are its own from the fork on
+    requests, replies = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    preload(os.environ.get(ENV_TARGET), pool=True)
+    print(f"spare pool {os.getpid()}: ready", flush=True)
+    _Pool(requests, replies).loop()
+    return 0
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--pool"]:
+        return serve()
     bootstrap.die_with_supervisor()  # no orphans: a spare dies with the supervisor
     preload(os.environ.get(ENV_TARGET))
     print(f"spare {os.getpid()}: ready", flush=True)

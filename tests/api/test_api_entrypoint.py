@@ -77,7 +77,7 @@ def test_custom_loop_under_jaxpar_launch_recovers_and_is_accounted_like_train(tm
     assert f"| restores | step {restore['step']} (incarnation 1) |" in md
     assert f"{s['wall_s']:.1f} s" in md and f"{s['goodput']:.1%}" in md
 
-    rc, out, _ = _launch(run_dir, 14, "--no-spares")  # more steps: resumes from step 12
+    rc, out, _ = _launch(run_dir, 14)  # more steps: resumes from step 12
     assert rc == 0, out[-4000:]
     lines = read_jsonl(str(run_dir / "metrics.jsonl"))
     assert list(last_per_step(lines)) == list(range(1, 15))

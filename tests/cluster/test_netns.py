@@ -25,7 +25,6 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS, EVERY = 12, 4
 TIMEOUT = 900  # generous: a loaded 2-core machine
-NO_SPARES = ("--no-spares",)  # for agents whose group is never restarted
 # No persistent compilation cache: it serves process 0 only, which then waits in gloo's first
 # rendezvous (30 s) for peers still compiling on a loaded machine, and fails.
 
@@ -116,8 +115,7 @@ def test_lost_host1_shrinks_to_host0_and_finishes(hosts2, tmp_path):
 def test_lost_coordinator_host_fails_clearly_and_resumes(hosts2, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.time()
-    # no spares: neither agent restarts its group (host 1's stops, then both are started again)
-    agents = Agents(hosts2, run_dir, launch_args=NO_SPARES)
+    agents = Agents(hosts2, run_dir)
     agents.wait_for_step(EVERY + 1)
     hosts2.kill_host(0)  # the leader, jax's coordinator (process 0) and host 0's other worker
     assert agents.wait(1, 120) == 1, agents.output(1)
@@ -132,7 +130,7 @@ def test_lost_coordinator_host_fails_clearly_and_resumes(hosts2, tmp_path):
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and saved[-1] >= EVERY
     # Host 0 is back: the same command lines resume from the newest checkpoint.
-    again = Agents(hosts2, run_dir, launch_args=NO_SPARES, tag="b")
+    again = Agents(hosts2, run_dir, tag="b")
     assert again.wait(0) == 0, again.output(0)
     assert again.wait(1, 60) == 0, again.output(1)
     print(f"netns: host 0 lost, resumed to the end: {time.time() - t0:.0f}s")

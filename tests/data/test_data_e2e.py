@@ -70,7 +70,7 @@ def test_two_processes_read_the_same_global_batches(dp8_run, tokens_corpus, tmp_
     run_dir = tmp_path / "run"
     worker = tokens_cmd(run_dir, tokens_corpus, "--mesh", "dp8", "--set", "ckpt.every=0", steps=3)
     launch = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2",
-              "--devices-per-proc", "4", "--no-spares", "--run-dir", str(run_dir), "--", *worker]  # fmt: skip
+              "--devices-per-proc", "4", "--run-dir", str(run_dir), "--", *worker]  # fmt: skip
     ok(run(launch, env=cpu_env(devices=None)))
     two, one = losses(run_dir), losses(dp8_run)
     assert sorted(two) == [1, 2, 3]

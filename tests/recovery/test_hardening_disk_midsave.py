@@ -16,8 +16,7 @@ from jaxpar.recovery import save_watch
 from jaxpar.recovery.checkpoint import TMP_SUFFIX, is_disk_full
 from tests.support.launch_util import Launch, train_cmd
 
-# no restart happens here (a full disk stops the job): no spares
-NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2", "--no-spares"]
+NPROC = ["--nproc", "2", "--devices-per-proc", "2", "--backoff", "0.2"]
 FILL_AT = 3  # the save of this step is the one the other writer breaks
 
 

@@ -33,8 +33,8 @@ def _cmd():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    run = Launch(tmp_path_factory.mktemp("local2") / "ref",  # never restarts: no spares
-                 ["--nproc", "2", "--devices-per-proc", "2", "--no-spares"], _cmd())  # fmt: skip
+    run = Launch(tmp_path_factory.mktemp("local2") / "ref", ["--nproc", "2", "--devices-per-proc",
+                 "2"], _cmd())  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
     finally:
@@ -146,7 +146,7 @@ def test_worker_killed_standby_group_takes_over(reference, tmp_path):
     finally:
         run.close()
     first, second = run.events("group_started")
-    assert first["path"] == "cold" and second["path"] == "standby", second
+    assert first["path"] == "spares" and second["path"] == "standby", second  # spares: the pool
     starts = {e["incarnation"]: e for e in run.events("start")}
     assert starts[1]["path"] == "standby" and starts[1]["warm"] is True, starts
     compiled = [e for e in run.events("compiled") if e["incarnation"] == 1]

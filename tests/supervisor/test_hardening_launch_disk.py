@@ -13,8 +13,7 @@ from tests.support.launch_util import Launch, losses, train_cmd
 
 pytestmark = pytest.mark.slow
 
-# no restart happens here (a full disk stops the job): no spares
-NPROC = ["--nproc", "2", "--devices-per-proc", "1", "--backoff", "0.2", "--no-spares"]
+NPROC = ["--nproc", "2", "--devices-per-proc", "1", "--backoff", "0.2"]
 
 
 def committed(run_dir) -> list[int]:

@@ -26,9 +26,9 @@ WAIT = 600  # seconds a whole supervised run may take on a loaded 2-core machine
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """The uninterrupted run (no spares: it never restarts); process 1 sleeps 1 s per step from
-    step 3 (a straggler, which changes no number)."""
-    run = Launch(tmp_path_factory.mktemp("sup") / "ref", [*NPROC, "--no-spares", "--fault",
+    """The uninterrupted run; process 1 sleeps 1 s per step from step 3 (a straggler, which
+    changes no number)."""
+    run = Launch(tmp_path_factory.mktemp("sup") / "ref", [*NPROC, "--fault",
                  "slow@3:process=1:seconds=1.0"], train_cmd(STEPS, EVERY))  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
@@ -97,11 +97,10 @@ def test_kill_hang_sigterm_nan_in_one_run_each_restarts_exact(tmp_path, referenc
 
 
 def test_restart_budget_exhausted_keeps_checkpoints(tmp_path):
-    # no spares: the second group fails too, so spares started for a third would go unused; 2
-    # processes x 2 devices: the budget, not the group's size, is the point (and nothing is
+    # 2 processes x 2 devices: the budget, not the group's size, is the point (and nothing is
     # compared with the 4-process reference)
     # killed at 6: step 2's save has committed (the save of step 4 waited for it), step 4's may not
-    args = ["--no-spares", "--max-restarts", "1", "--fault", "kill@6:process=1:repeat"]
+    args = ["--max-restarts", "1", "--fault", "kill@6:process=1:repeat"]
     run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", *args],
                  train_cmd(STEPS, 2))  # fmt: skip
     try:

@@ -1,0 +1,180 @@
+"""The supervisor's side of the spare pool (jaxpar/worker/spare.py, `--pool`): one preloaded
+process per host that forks this host's workers, and `ForkedWorker`, a forked worker behind the
+part of `subprocess.Popen` the supervisor uses (pid, poll, wait, kill, returncode)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from jaxpar.worker import spare as spare_lib
+
+READY_TIMEOUT_S = 300.0  # for the pool's imports on a loaded host; then workers start cold
+MAX_REPLY = 1 << 20  # bytes of the replies not yet read: more means the pool is not the pool
+
+
+class SparePool:
+    """`python -m jaxpar.worker.spare --pool` started with `env`; fork workers from it."""
+
+    def __init__(self, env: dict[str, str], target: str, log) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxpar.worker.spare", "--pool"],
+            env={**env, spare_lib.ENV_TARGET: target}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.exits: dict[int, int] = {}  # pid -> return code, as the pool reported them
+        self.forked: set[int] = set()
+        self.answers: list[dict] = []  # fork replies not taken yet
+        self.buf = b""
+        self.gone = False  # the pool exited (or will be ignored from now)
+        self.broken = ""  # why forks go cold from now on
+        self.prebuilt = False
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Read what the pool has replied so far (never blocks)."""
+        while not self.gone:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._lost("the spare pool exited")
+                return
+            self.buf += chunk
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                self._take(line)
+            if len(self.buf) > MAX_REPLY:
+                self._lost("the spare pool's replies are not its protocol")
+
+    def _take(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(msg, dict):
+            return
+        if "exit" in msg and isinstance(msg.get("code"), int):
+            self.exits[int(msg["exit"])] = msg["code"]
+        elif "forked" in msg or "refused" in msg:
+            self.answers.append(msg)
+
+    def _lost(self, why: str) -> None:
+        """The pool is gone: its workers died with it (their parent-death signal is SIGKILL)."""
+        self.gone, self.broken = True, self.broken or why
+        for pid in self.forked - set(self.exits):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            self.exits[pid] = -signal.SIGKILL
+
+    def _wait_readable(self, timeout: float) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            select.select([self.fd], [], [], max(0.0, timeout))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _send(self, msg: dict) -> bool:
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            self._lost("the spare pool exited")
+            return False
+        return True
+
+    def prebuild(self) -> None:
+        """Build the run's model in the pool now (the running group wrote config.json); once."""
+        if not (self.gone or self.broken or self.prebuilt):
+            self.prebuilt = self._send({"op": "prebuild"})
+
+    def fork(self, env: dict[str, str], argv: list[str], log: str) -> ForkedWorker | None:
+        """A worker forked from the pool, or None (the caller starts it cold): the pool is
+        gone, refused (why in `broken`), or not ready within READY_TIMEOUT_S."""
+        if self.gone or self.broken:
+            return None
+        if not self._send({"op": "fork", "env": env, "argv": argv, "log": log}):
+            return None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.answers and not self.gone and time.monotonic() < deadline:
+            self._wait_readable(deadline - time.monotonic())
+            self.pump()
+        if not self.answers:
+            self.broken = self.broken or f"no answer from the spare pool in {READY_TIMEOUT_S:.0f} s"
+            return None
+        answer = self.answers.pop(0)
+        if "refused" in answer:
+            self.broken = f"the spare pool refused: {answer['refused']}"
+            return None
+        pid = int(answer["forked"])
+        self.forked.add(pid)
+        return ForkedWorker(self, pid)
+
+    def close(self) -> None:
+        """Release the pool: it exits once its workers have (the caller stopped them)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.pump()
+        self.gone = True
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+
+
+class ForkedWorker:
+    """A worker the pool forked, as the supervisor sees a `subprocess.Popen` (its own session:
+    its pid is its process group's)."""
+
+    def __init__(self, pool: SparePool, pid: int) -> None:
+        self.pool, self.pid = pool, pid
+        self.returncode: int | None = None
+        self.stdin = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.pool.pump()
+            if self.pid not in self.pool.exits and _exited(self.pid):
+                # it has ended; the pool reports it the moment it reaps it
+                self.wait_reported(5.0)
+            self.returncode = self.pool.exits.get(self.pid)
+        return self.returncode
+
+    def wait_reported(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pid not in self.pool.exits and time.monotonic() < deadline:
+            self.pool._wait_readable(deadline - time.monotonic())
+            self.pool.pump()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.wait_reported(1e9 if timeout is None else timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie its parent has not reaped yet, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,127 @@
+"""The spare pool (jaxpar/worker/spare.py --pool, jaxpar/supervisor/spare_pool.py): one real
+pool process forks scripts as a cold `python SCRIPT` would run them, and reports each exit as
+`Popen.returncode` would (codes, signals, uncaught exceptions, `sys.exit("message")`); a fork
+runs the child's atexit functions and joins its threads; a worker environment that differs in
+what jax reads at import is refused (the caller starts it cold); workers die with the pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from jaxpar.supervisor.spare_pool import SparePool
+from tests.support.helpers import cpu_env
+
+SCRIPT = """
+import atexit, json, os, sys, threading, time
+mode, out = sys.argv[1], sys.argv[2]
+def record(**kw):
+    with open(out, "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+record(pid=os.getpid(), ppid=os.getppid(), sid=os.getsid(0), argv=sys.argv[1:],
+       env=os.environ.get("POOL_TEST"), supervisor=os.environ.get("JAXPAR_SUPERVISOR_PID"),
+       name=__name__)
+atexit.register(lambda: record(atexit=True))
+if mode == "code":
+    sys.exit(3)
+if mode == "message":
+    sys.exit("stopped: a message for the log")
+if mode == "raise":
+    raise ValueError("an uncaught error")
+if mode == "thread":  # a non-daemon thread outlives the main one: the exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.5), record(thread_done=True))).start()
+    sys.exit(0)
+if mode == "sleep":
+    time.sleep(600)
+"""
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def pool(tmp_path):
+    env = cpu_env(devices=None)
+    env["JAXPAR_SUPERVISOR_PID"] = str(os.getpid())  # the pool dies with this test process
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    with open(tmp_path / "pool.log", "ab") as log:
+        p = SparePool(env, f"script:{script}", log)
+    p.env, p.script, p.dir = env, str(script), tmp_path
+    yield p
+    for pid in p.forked:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    p.close()
+
+
+def _fork(pool, mode: str, **env):
+    out, log = pool.dir / f"{mode}.jsonl", pool.dir / f"{mode}.log"
+    w = pool.fork({**pool.env, "POOL_TEST": mode, **env}, [sys.executable, pool.script, mode,
+                  str(out)], str(log))  # fmt: skip
+    return w, out, log
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_forked_workers_exit_as_cold_ones_would(pool):
+    runs = {mode: _fork(pool, mode) for mode in ("code", "message", "raise", "thread", "sleep")}
+    worker = runs["sleep"][0]
+    deadline = time.time() + 120
+    while not _records(runs["sleep"][1]) and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(worker.pid, signal.SIGKILL)
+    codes = {mode: w.wait(timeout=120) for mode, (w, _, _) in runs.items()}
+    assert codes == {"code": 3, "message": 1, "raise": 1, "thread": 0, "sleep": -signal.SIGKILL}
+    assert all(w.poll() == codes[m] for m, (w, _, _) in runs.items())  # poll agrees, again
+    for mode, (w, out, _log) in runs.items():
+        first = _records(out)[0]
+        # its own process, session and environment; the script ran as __main__ with its argv
+        assert first["pid"] == w.pid and first["sid"] == w.pid and first["ppid"] == pool.proc.pid
+        assert first["env"] == mode and first["name"] == "__main__"
+        assert first["argv"] == [mode, str(out)]
+        assert first["supervisor"] == str(pool.proc.pid)  # its parent-death signal: the pool's
+        ended = _records(out)[1:]
+        assert ({"atexit": True} in ended) == (mode != "sleep"), (mode, ended)
+    assert {"thread_done": True} in _records(runs["thread"][1])
+    assert "stopped: a message for the log" in runs["message"][2].read_text()
+    assert "ValueError: an uncaught error" in runs["raise"][2].read_text()
+    assert not pool.broken
+
+
+def test_a_changed_import_time_variable_is_refused_and_starts_cold(pool):
+    w, out, _ = _fork(pool, "code", JAX_ENABLE_X64="1")
+    assert w is None and "refused" in pool.broken, pool.broken
+    # from then on every worker starts cold (the caller's part), even one the pool would take
+    assert pool.fork(pool.env, [sys.executable, pool.script, "code", str(out)], os.devnull) is None
+
+
+def test_device_ids_of_a_slot_do_not_refuse_and_workers_die_with_the_pool(pool):
+    # the slot's own device ids are read by jax.distributed.initialize only: no refusal
+    w, out, _ = _fork(pool, "sleep", JAX_LOCAL_DEVICE_IDS="2,3")
+    assert w is not None, pool.broken
+    deadline = time.time() + 120
+    while not _records(out) and time.time() < deadline:
+        time.sleep(0.1)
+    pool.proc.kill()  # the pool gone: its workers get their parent-death signal
+    assert w.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{w.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {w.pid} outlived its pool")
+    assert pool.fork(pool.env, [sys.executable, pool.script, "code", str(out)], os.devnull) is None

@@ -287,6 +287,7 @@ def _forked_worker(msg: dict, server_fds: list[int]) -> None:
         redirect(msg["log"])
         os.environ.clear()
         os.environ.update(env)
+        _name_process(f"jaxpar-proc{env.get(bootstrap.ENV_PROCESS_ID, '')}")
         bootstrap.die_with_supervisor()
         gc.unfreeze()  # the worker's own objects are collected as in a cold start
         _run(list(msg["argv"]))
@@ -297,6 +298,20 @@ def _forked_worker(msg: dict, server_fds: list[int]) -> None:
         sys.excepthook(*sys.exc_info())
         code = 1
     _finish(code)
+
+
+def _name_process(name: str) -> None:
+    """The name `top`, `pgrep NAME` and `ps -o comm` show (Linux; its command line stays the
+    pool's)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Pool:

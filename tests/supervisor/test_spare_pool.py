@@ -63,7 +63,8 @@ def pool(tmp_path):
 
 def _fork(pool, mode: str, **env):
     out, log = pool.dir / f"{mode}.jsonl", pool.dir / f"{mode}.log"
-    w = pool.fork({**pool.env, "POOL_TEST": mode, **env}, [sys.executable, pool.script, mode,
+    env = {**pool.env, "POOL_TEST": mode, "JAXPAR_PROCESS_ID": "7", **env}
+    w = pool.fork(env, [sys.executable, pool.script, mode,
                   str(out)], str(log))  # fmt: skip
     return w, out, log
 
@@ -78,6 +79,8 @@ def test_forked_workers_exit_as_cold_ones_would(pool):
     deadline = time.time() + 120
     while not _records(runs["sleep"][1]) and time.time() < deadline:
         time.sleep(0.1)
+    with open(f"/proc/{worker.pid}/comm") as f:  # `top` and `pgrep` name it by its process id
+        assert f.read().strip() == "jaxpar-proc7"
     os.kill(worker.pid, signal.SIGKILL)
     codes = {mode: w.wait(timeout=120) for mode, (w, _, _) in runs.items()}
     assert codes == {"code": 3, "message": 1, "raise": 1, "thread": 0, "sleep": -signal.SIGKILL}

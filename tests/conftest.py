@@ -106,6 +106,19 @@ def _session_compilation_cache(tmp_path_factory):
     os.environ.setdefault("JAXPAR_LOCAL_DIR", local)  # in-process runs too
 
 
+@pytest.fixture(scope="module")
+def cache_every_program(_session_compilation_cache):
+    """For one module (`pytestmark = pytest.mark.usefixtures("cache_every_program")`): every
+    program its tests compile goes into the session's persistent cache however fast it compiled,
+    so a test that builds a program an earlier one built (the same init, a checkpoint's checksum,
+    a step of the same layout) loads it. jax keys the cache by the program itself: only an
+    identical program is loaded. The threshold is back to IN_PROCESS_CACHE_MIN_S after the
+    module, for the compiled-program cache's own tests."""
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", IN_PROCESS_CACHE_MIN_S)
+
+
 @pytest.fixture(scope="session")
 def devices8():
     """The 8 simulated devices (asserted, never skipped)."""

@@ -41,6 +41,9 @@ CHILDREN = pytest.mark.xdist_group("parallel/test_pipeline.py:children")
 # The tests that compile whole train steps of their own (memory, inspect, checkpoint chains), not
 # the parity cases sharing the module's reference: a group of their own, on another worker
 WHOLE_STEPS = pytest.mark.xdist_group("parallel/test_pipeline.py:whole_steps")
+# The parity cases of one layout build the same init; the checkpoint chains' runs the same
+# checksum and snapshot programs: each is compiled once (conftest)
+pytestmark = pytest.mark.usefixtures("cache_every_program")
 
 
 def tiny(layers=4, schedule="gpipe", m=4, v=1, steps=STEPS, batch=16, split="", **train
@@ -242,7 +245,7 @@ def _temps(jp, schedule: str, m: int) -> int:
         data=dataclasses.replace(base.data, global_batch=4 * m),
         pipeline=PipelineConfig(schedule, m, 1),
     )
-    return collectives.memory(jp.compile_layout(cfg, "pp4").step)["temps"]
+    return collectives.memory(jp.compile_train_step(jp.build(cfg, "pp4")))["temps"]  # no audit
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ from jaxpar.engine import collectives
 from jaxpar.engine.mesh import make_mesh
 from jaxpar.parallel.compressed import compressed_mean
 
+pytestmark = pytest.mark.usefixtures("cache_every_program")  # a program built again loads
+
 
 def with_comm(cfg, steps, **comm):
     return dataclasses.replace(
@@ -24,14 +26,17 @@ def with_comm(cfg, steps, **comm):
     )
 
 
-def run_losses(jp, cfg, layout: str) -> tuple[list[float], object]:
-    b = jp.build(cfg, layout)
+def run_losses(jp, cfg, layout: str, built=None, steps=None) -> tuple[list[float], object]:
+    """cfg.train.steps steps (and DiLoCo's outer steps) from the program's init: (losses, state).
+    `built` and `steps` (its (train, sync) steps, compiled already): the program a test built."""
+    b = built or jp.build(cfg, layout)
+    train_step, sync_step = steps or (b.program.train_step, b.program.sync_step)
     state = b.program.init()
     losses = []
     for step in range(cfg.train.steps):
-        state, m = b.program.train_step(state, jp.device_batch(b, step))
+        state, m = train_step(state, jp.device_batch(b, step))
         if b.program.sync_every and (step + 1) % b.program.sync_every == 0:
-            state = b.program.sync_step(state)
+            state = sync_step(state)
         losses.append(float(np.mean(jax.device_get(m["loss"]))))
     return losses, state
 
@@ -138,8 +143,9 @@ def test_diloco_h4_cuts_cross_replica_collectives_4x(jp):
     per_step = (4 * per_inner + per_outer) / 4
     print(f"bytes over data per step: sync DP {per_sync:,}, DiLoCo H=4 {per_step:,.0f}")
     assert per_sync / per_step == pytest.approx(4.0, rel=0.02)
-    sync_losses, _ = run_losses(jp, cfg, "dp8")
-    dl_losses, _ = run_losses(jp, dl, "dp8")
+    # The losses from the same compiled steps the audit read
+    sync_losses, _ = run_losses(jp, cfg, "dp8", b_sync, (sync_step, None))
+    dl_losses, _ = run_losses(jp, dl, "dp8", b_dl, (inner_step, outer))
     print(f"loss after 8 steps: sync DP {sync_losses[-1]:.4f}, DiLoCo H=4 {dl_losses[-1]:.4f}")
     assert np.isfinite(dl_losses).all() and dl_losses[-1] < dl_losses[0]
 

@@ -26,6 +26,9 @@ from jaxpar.data import sources as data_lib
 from jaxpar.parallel import program as step_lib
 from tests.support import helpers
 
+# A layout's bf16 and float32 programs build the same init: compiled once (conftest)
+pytestmark = pytest.mark.usefixtures("cache_every_program")
+
 BF16 = ["precision.compute=bfloat16"]
 LOSS_RTOL_BF16 = 2e-2
 REMAT_TOL = 1e-6
@@ -149,7 +152,8 @@ def _child(jp, steps: int, names: tuple[str, ...], layout: str, *sets: str) -> d
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,sets",
-    [("dp2_tp4", ()), ("pp2", ("model.remat=block",))],
+    # pp2 with remat: one block per stage (the remat and the stages' hand-over are per block)
+    [("dp2_tp4", ()), ("pp2", ("model.remat=block", "model.n_layers=2"))],
     ids=["dp2_tp4", "pp2_remat"],
 )
 def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, runs, layout, sets):

@@ -185,6 +185,8 @@ def rerun_with_devices(request: pytest.FixtureRequest, devices: int, timeout: fl
         "-x",
         "-n",
         "0",
+        "-p",
+        "no:hypothesispytest",  # no test uses it; its import is a second of the child's start
         helpers.plain_nodeid(request.node),
     ]
     proc = subprocess.run(

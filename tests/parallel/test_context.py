@@ -12,7 +12,8 @@ import pytest
 from jaxpar.engine import attention, collectives
 from tests.support import programs
 
-STEPS = 3
+# Two steps: the first's loss and gradients, and a loss after an update (as test_pipeline.py)
+STEPS = 2
 # Parity: two blocks (every block attends alike; the second takes the first's output), not
 # gpt_tiny's four: the same paths at half the compile and step time.
 LAYERS = 2

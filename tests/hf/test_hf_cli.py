@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxpar
 from jaxpar import cli
@@ -142,10 +143,15 @@ def test_init_from_then_export_is_bitwise_and_a_checkpoint_wins(capsys, tmp_path
         assert [json.loads(x)["step"] for x in f if '"loss"' in x] == [1, 2]
     # `jaxpar sample` of the run (KV-cached, grouped-query attention, rotary positions from the
     # cache's offset): greedy, the tokens of an uncached argmax loop over the full forward pass.
+    # The forward pass is causal: the logits at position i of a zero-padded row are those of the
+    # row cut after i, so one compiled program of the final length serves every step.
     cfg, model = jaxpar.from_hf(str(out))
     ids = list(b"def main(")
+    forward = nnx.jit(lambda m, x: m(x))
+    row = np.zeros((1, len(ids) + 12), np.int32)
     for _ in range(12):
-        ids.append(int(np.argmax(np.asarray(model(np.asarray([ids])))[0, -1, :256])))
+        row[0, : len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(forward(model, row))[0, len(ids) - 1, :256])))
     assert sample.sample(str(run), "def main(", max_new_tokens=12, temperature=0) == (
         sample.run_codec(cfg, None).decode(ids)
     )

@@ -96,7 +96,7 @@ class LocalGroup:
         self.attempt = -1  # which group these workers are (exits are tagged with it)
         self.spec: dict | None = None
         self.spares: dict[int, subprocess.Popen] = {}  # local rank -> pre-started worker
-        self.pool: SparePool | None = None  # forks this host's workers (not replica groups')
+        self.pool: SparePool | None = None  # forks this host's workers, from the first group on
         self.spares_due = False  # start spares once this group has started
         self.standby: Standby | None = None  # the next incarnation's workers, built ahead
         self.standby_due = False  # build it once this group has completed a step
@@ -136,7 +136,6 @@ class LocalGroup:
             path = os.path.join(self.log_dir, name)
             self.logs[pid] = path
             spare = self.spares.pop(local_rank, None)
-            forked = None
             if spare is not None and self._hand_over(spare, env, self.opts.command, path):
                 self.procs[pid] = spare
             elif (forked := self._fork(spec, env, path)) is not None:

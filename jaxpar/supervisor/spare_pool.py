@@ -143,7 +143,6 @@ class ForkedWorker:
     def __init__(self, pool: SparePool, pid: int) -> None:
         self.pool, self.pid = pool, pid
         self.returncode: int | None = None
-        self.stdin = None
 
     def poll(self) -> int | None:
         if self.returncode is None:

@@ -289,7 +289,8 @@ def _forked_worker(msg: dict, server_fds: list[int]) -> None:
         os.environ.update(env)
         _name_process(f"jaxpar-proc{env.get(bootstrap.ENV_PROCESS_ID, '')}")
         bootstrap.die_with_supervisor()
-        gc.unfreeze()  # the worker's own objects are collected as in a cold start
+        # what the pool froze stays frozen, as in a spare: the worker's collections never walk
+        # (or write to, page by page, as the fork shares them) the imported objects
         _run(list(msg["argv"]))
         code = 0
     except SystemExit as e:

@@ -184,9 +184,7 @@ def rerun_with_devices(request: pytest.FixtureRequest, devices: int, timeout: fl
         "-q",
         "-x",
         "-n",
-        "0",
-        "-p",
-        "no:hypothesispytest",  # no test uses it; its import is a second of the child's start
+        "0",  # pyproject.toml's addopts (run in the checkout) keep hypothesis' plugin out
         helpers.plain_nodeid(request.node),
     ]
     proc = subprocess.run(

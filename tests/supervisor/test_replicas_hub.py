@@ -713,7 +713,10 @@ def test_hub_cuts_slow_handshakes_at_their_deadline_and_a_member_gets_in_beside_
         hub.close()
     reasons = [e["reason"] for e in events if e["event"] == "control_rejected"]
     assert all(e.get("server") == "hub" for e in events if e["event"] == "control_rejected")
-    assert any("handshake did not complete in time" in r for r in reasons), reasons
+    # the deadline ends it by the handshake's own read timeout or, first on a loaded machine, by
+    # the admission watchdog's eviction: either is the whole-handshake deadline
+    deadline = ("handshake did not complete in time", "cut short: not done within")
+    assert any(d in r for r in reasons for d in deadline), reasons
 
 
 def test_a_frame_larger_than_the_state_drops_that_connection_only():

@@ -131,11 +131,12 @@ _GOLDEN = 0x9E3779B9
 
 
 def _mix(x):
-    # murmur3 finaliser on uint32: a small change anywhere changes the hash
+    # murmur3 finaliser on uint32: a small change anywhere changes the hash. numpy constants: a
+    # jnp constant is a device array made for every use, and a state has hundreds of uses.
     x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
+    x = x * np.uint32(0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
+    x = x * np.uint32(0xC2B2AE35)
     return x ^ (x >> 16)
 
 
@@ -151,17 +152,41 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     raise ValueError(f"checksum: unsupported dtype {x.dtype} (32-bit and narrower types only)")
 
 
-def _block_hash(block: jax.Array, global_shape: tuple[int, ...], offsets) -> jax.Array:
-    """Hash of one block of an array at `offsets`, keyed by global element positions, so the sum
-    of the block hashes of any partition equals the whole array's hash (mod 2**32)."""
-    idx = jnp.zeros(block.shape, jnp.uint32)
+def _element_hashes(block: jax.Array, global_shape: tuple[int, ...], offsets) -> jax.Array:
+    """uint32 per element of a block of an array at `offsets`, keyed by global element positions,
+    so the sum of the block hashes of any partition equals the whole array's hash (mod 2**32)."""
+    idx = None
     stride = 1
     for d in reversed(range(block.ndim)):
-        pos = jax.lax.broadcasted_iota(jnp.uint32, block.shape, d) + jnp.uint32(offsets[d])
-        idx = idx + pos * jnp.uint32(stride % 2**32)
+        pos = jax.lax.broadcasted_iota(jnp.uint32, block.shape, d) + offsets[d]
+        term = pos * np.uint32(stride % 2**32)
+        idx = term if idx is None else idx + term
         stride *= global_shape[d]
-    h = _mix(_bits_u32(block) ^ _mix(idx + jnp.uint32(_GOLDEN)))
-    return jnp.sum(h, dtype=jnp.uint32)
+    if idx is None:  # a scalar: position 0
+        idx = jnp.zeros(block.shape, jnp.uint32)
+    return _mix(_bits_u32(block) ^ _mix(idx + np.uint32(_GOLDEN)))
+
+
+def _block_hash(block: jax.Array, global_shape: tuple[int, ...], offsets) -> jax.Array:
+    """Hash of one block of an array at `offsets` (the sum of its element hashes, mod 2**32)."""
+    return jnp.sum(_element_hashes(block, global_shape, offsets), dtype=jnp.uint32)
+
+
+def _hash_and_nonfinite(block: jax.Array, global_shape: tuple[int, ...], offsets):
+    """(hash, count of NaNs and infinities) of one block, in one reduction: one kernel per block
+    instead of two (XLA compiles a kernel per reduction, ~5-10 ms each on a CPU host, and a
+    state has tens to hundreds of leaves)."""
+    h = _element_hashes(block, global_shape, offsets)
+    if not jnp.issubdtype(block.dtype, jnp.floating):
+        return jnp.sum(h, dtype=jnp.uint32), np.uint32(0)
+    bad = (~jnp.isfinite(block)).astype(jnp.uint32)
+    zero = np.uint32(0)
+    dims = tuple(range(block.ndim))
+    return jax.lax.reduce((h, bad), (zero, zero), _add_pairs, dims)
+
+
+def _add_pairs(a, b):  # one function object: jax traces the reducer once, not once per block
+    return a[0] + b[0], a[1] + b[1]
 
 
 def array_hash(x: jax.Array) -> jax.Array:
@@ -196,14 +221,14 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
         for block, shape, spec in zip(blocks, shapes, specs, strict=True):
             offsets = []
             for d, entry in enumerate(spec):
-                index = jnp.uint32(0)
+                index = np.uint32(0)
                 for a in _axes_of(entry):
-                    index = index * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a)
-                offsets.append(index.astype(jnp.uint32) * jnp.uint32(block.shape[d]))
-            hashes.append(_block_hash(block, shape, offsets))
-        # then each block's count of NaNs and infinities: a state that holds any is not saved
-        bad = [jnp.sum(~jnp.isfinite(b), dtype=jnp.uint32) if jnp.issubdtype(b.dtype, jnp.floating)
-               else jnp.uint32(0) for b in blocks]  # fmt: skip
+                    index = index * np.uint32(mesh.shape[a]) + jax.lax.axis_index(a)
+                offsets.append(jnp.asarray(index).astype(jnp.uint32) * np.uint32(block.shape[d]))
+            # and its count of NaNs and infinities: a state that holds any is not saved
+            hashes.append(_hash_and_nonfinite(block, shape, offsets))
+        bad = [n for _, n in hashes]
+        hashes = [h for h, _ in hashes]
         vec = jnp.stack(hashes + bad) if hashes else jnp.zeros((0,), jnp.uint32)
         return jax.lax.all_gather(vec, tuple(mesh.axis_names))
 

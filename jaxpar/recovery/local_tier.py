@@ -526,14 +526,19 @@ class LocalTier:
         if marker is None or data is None or marker.get("step") != step:
             return None, source, "snapshot vanished or unreadable"
         why = verify(marker, self.binding, self.blocks, len(data))
-        bad = [] if why else check_crcs(marker, memoryview(data))
-        if why or bad:
-            return None, source, why or f"CRC mismatch in blocks {bad[:10]}"
+        if why:
+            return None, source, why
         try:
             ok = authentic(marker, data, snapshot_key())
         except (OSError, compile_cache.Untrusted) as e:
             return None, source, f"MAC not checked: {e}"
-        if not ok:  # edited (CRCs recomputed), planted, or sealed with another user's key
+        if not ok:
+            # The CRCs only say which: torn or damaged blocks, or an edit (CRCs recomputed), a
+            # plant, a snapshot sealed with another user's key. Data the MAC accepts needs no
+            # second pass over it.
+            bad = check_crcs(marker, memoryview(data))
+            if bad:
+                return None, source, f"CRC mismatch in blocks {bad[:10]}"
             return None, source, "MAC mismatch: not written by this user's jaxpar"
         return self._assemble(marker, data), source, ""
 

@@ -16,7 +16,7 @@ import pytest
 
 from jaxpar.data import sources as data_lib
 from jaxpar.rundir.runlog import read_jsonl
-from tests.support.helpers import REPO, cpu_env, losses, ok, run, train_cmd
+from tests.support.helpers import REPO, SMALL_MODEL, cpu_env, losses, ok, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +25,12 @@ FSDP_TP = "data=1,fsdp=2,tensor=4"
 
 
 def tokens_cmd(run_dir, corpus, *args, steps=STEPS, faults=()):
+    """gpt_tiny one layer of width 64 (helpers.SMALL_MODEL: the data path, not the model, is the
+    point) on the recipe's batches of 32 x 64 tokens."""
     return train_cmd(
         run_dir, "--set", "data.source=tokens", "--set", f"data.path={corpus}",
-        "--set", f"ckpt.every={EVERY}", "--set", f"train.eval_every={STEPS}", *args,
-        steps=steps, faults=faults,
+        "--set", f"ckpt.every={EVERY}", "--set", f"train.eval_every={STEPS}", *SMALL_MODEL,
+        *args, steps=steps, faults=faults,
     )  # fmt: skip
 
 
@@ -50,10 +52,11 @@ def test_trains_on_tokens_with_the_vocabulary_of_meta_json(dp8_run):
 def test_fsdp_tp_kill_and_resume_is_bitwise_identical(tokens_corpus, tmp_path):
     run_dir = tmp_path / "run"
     # without the local snapshot tier: the resume starts from the step-6 checkpoint, so steps 7
-    # and 8 are computed twice, once before the kill and once after
+    # and 8 are computed twice, once before the kill and once after (saved synchronously: the
+    # small model's steps are milliseconds, and an asynchronous save could be in flight at 9)
     cmd = tokens_cmd(run_dir, tokens_corpus, "--mesh", FSDP_TP, "--set", "ckpt.local_every=0",
-                     faults=["kill@9"])  # fmt: skip
-    env = cpu_env(fast_compile=False)  # 20 full-size steps: optimised code pays
+                     "--set", "ckpt.use_async=false", faults=["kill@9"])  # fmt: skip
+    env = cpu_env(fast_compile=False)  # 20 steps at 32 x 64 tokens: optimised code pays
     ok(run(cmd, env=env), -signal.SIGKILL)
     ok(run(cmd, env=env))  # the fault fired once; resumes from the step-6 checkpoint
     lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
@@ -88,7 +91,8 @@ def test_greedy_sample_is_deterministic_and_continues_the_prompt(dp8_run):
             "--max-new-tokens", "20"]  # fmt: skip
     first = jaxpar(*args)
     assert first == jaxpar(*args)
-    assert first.startswith(prompt) and first.strip() != prompt
+    # 20 tokens more (the small model, 12 steps in, may well continue with whitespace)
+    assert first.startswith(prompt) and len(first) > len(prompt)
 
 
 def test_exported_parameters_give_the_checkpoints_eval_loss(dp8_run, tokens_corpus, tmp_path):
@@ -145,7 +149,7 @@ def test_a_user_source_trains_without_jaxpar_changes(tmp_path):
                                                     env.get("PYTHONPATH")) if p)  # fmt: skip
     run_dir = tmp_path / "run"
     cmd = train_cmd(run_dir, "--set", "data.source=my_corpus:Counting", "--set", "ckpt.every=0",
-                    "--set", "train.eval_every=0", steps=8)  # fmt: skip
+                    "--set", "train.eval_every=0", *SMALL_MODEL, steps=8)  # fmt: skip
     ok(run(cmd, env=env))
     assert json.load(open(run_dir / "config.json"))["data"]["source"] == "my_corpus:Counting"
     got = losses(run_dir)

@@ -14,12 +14,9 @@ import pytest
 
 from jaxpar.rundir.runlog import read_jsonl, read_jsonl_counted
 from jaxpar.worker.bootstrap import EXIT_NAN, EXIT_NO_SPACE
-from tests.support.helpers import REPO, cpu_env, events, ok, run, start, train_cmd
+from tests.support.helpers import REPO, SMALL, cpu_env, events, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
-
-SMALL = ("--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128")
-
 
 def cmd(run_dir, *args, steps, faults=()):
     return train_cmd(run_dir, *SMALL, *args, steps=steps, faults=faults)

@@ -39,7 +39,7 @@ START_ENV: dict[str, str] = dict(os.environ)
 # gpt_tiny made smaller for runs whose point is not the model (checkpoints, faults, supervision):
 # one layer of width 64 on batches of 16 x 32 tokens, a quarter of the recipe's 32 x 64. With the
 # tests' unoptimised CPU code a step costs ~0.07 CPU-s on 8 simulated devices (the recipe's
-# batches at this width ~0.14, the whole recipe ~1), and it compiles in seconds.
+# batches at this width ~0.14), and it compiles in seconds.
 SMALL_MODEL = ("--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_mlp=128")
 SMALL = (*SMALL_MODEL, "--set", "model.seq_len=32", "--set", "data.seq_len=32",
          "--set", "data.global_batch=16")  # fmt: skip

@@ -4,7 +4,8 @@ target's compiler and predicted on its profile by `jaxpar tune --target`'s own c
 
     JAXPAR_TARGET_PACKAGES=/tmp/aot python docs/benchmarks/2026-12-06-published.py NAME... > out.jsonl
 
-NAME: a key of CONFIGS (see 2026-12-06-published.md).
+NAME: a key of CONFIGS (see 2026-12-06-published.md), or `KEY+flags` for a TPU one compiled with
+the libtpu flags of MaxText's scripts (one such NAME per process: libtpu reads them when it loads).
 """
 
 from __future__ import annotations
@@ -83,10 +84,36 @@ CONFIGS = {
         {"model.remat": "block", "train.microbatches": 1},
     ),
 }
+# The same README's 32B row: configs/v5e/32b.sh, global_parameter_scale=32 of that base.yml (emb
+# 10240, 32 heads of 256, mlp 32768 relu, 32 layers; 32.56 B parameters), per_device_batch_size=4
+# on v5e-256 (1,024 sequences), everything else as the 16B run.
+CONFIGS["maxtext_v5e_32b"] = (
+    "v5e-256",
+    "llama3_8b",
+    [s.replace("model.d_model=5120", "model.d_model=10240").replace(
+        "data.global_batch=1536", "data.global_batch=1024") for s in CONFIGS["maxtext_v5e_16b"][2]],
+    {"fsdp": 256},
+    {"model.remat": "block", "train.microbatches": 1},
+)
+# MaxText's scripts for those rows (16b.sh, 32b.sh) compile with these libtpu flags: collectives
+# fused into asynchronous ones and overlapped with the matmuls. `NAME+flags` compiles NAME with
+# them, as the published runs did (libtpu reads them once, when it loads: one process per set).
+MAXTEXT_LIBTPU_FLAGS = (
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
+)
 
 
 def run(name: str) -> dict:
-    target_name, recipe, sets, sizes, settings = CONFIGS[name]
+    base, _, flags = name.partition("+")
+    target_name, recipe, sets, sizes, settings = CONFIGS[base]
+    if flags:
+        assert flags == "flags" and targets.get(target_name).family == "tpu", name
+        os.environ["LIBTPU_INIT_ARGS"] = MAXTEXT_LIBTPU_FLAGS
     t = targets.get(target_name)
     cfg = validate(apply_overrides(resolve_recipe(recipe), sets))
     prof = hardware.get(t.name, t.devices)
@@ -111,6 +138,7 @@ def run(name: str) -> dict:
         "predicted_tokens_per_s_per_device": tokens / lay.predicted_step_s / t.devices,
         "predicted_model_tflops_per_device": model_flops / lay.predicted_step_s / t.devices / 1e12,
         "profile": prof.as_dict(), "load_average": os.getloadavg()[0],
+        "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
     }  # fmt: skip
     return out
 

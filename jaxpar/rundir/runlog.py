@@ -48,7 +48,7 @@ class WorkerEvent:
     START = "start"  # jax.distributed up, mesh and program built; begins an incarnation
     RESTORE = "restore"  # a checkpoint was restored (step, from/to mesh)
     RESTORE_FORCED = "restore_forced"
-    COMPILED = "compiled"  # the step program is ready (seconds, cache stats)
+    COMPILED = "compiled"  # the step and the tiers' programs ready everywhere (seconds, stats)
     DONE = "done"  # the loop ended (step, complete)
     PREEMPTED = "preempted"  # SIGTERM: saved at `step` and stopping (every process)
     WALL_TIME_LIMIT = "wall_time_limit"

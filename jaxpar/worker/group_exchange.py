@@ -100,6 +100,7 @@ class Engine:
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                               wait_for_workers=False, timeout=timeout)  # fmt: skip
         store = dist.PrefixStore(str(spec["prefix"]), store)
+        _arrive(store, int(spec["rank"]), int(spec["world"]), timeout)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
@@ -129,11 +130,12 @@ class Engine:
         host, _, port = str(spec["store"]).rpartition(":")
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                               wait_for_workers=False, timeout=timeout)  # fmt: skip
+        store = dist.PrefixStore(str(spec["prefix"]), store)
+        _arrive(store, int(spec["rank"]), int(spec["world"]), timeout)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(str(spec["prefix"]), store),
-                                   int(spec["rank"]), int(spec["world"]), opts)  # fmt: skip
+        pg = dist.ProcessGroupGloo(store, int(spec["rank"]), int(spec["world"]), opts)
         try:
             flat = buffer.reshape(-1).view(np.uint8)
             for at in range(0, max(flat.size, 1), TRANSFER_CHUNK):
@@ -152,6 +154,15 @@ class Engine:
             pg.allreduce([t]).wait()
             out.append(t.numpy())
         return out
+
+
+def _arrive(store, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    """Wait at the store until every member of the communicator has come, at most `timeout`
+    (the store's own error when one has not): a member that never comes is then found by a
+    plain store wait, before Gloo starts any connection, whose own rendezvous timing out has
+    been seen to abort the process."""
+    store.set(f"arrived/{rank}", b"1")
+    store.wait([f"arrived/{r}" for r in range(world)], timeout)
 
 
 class Plan:

@@ -642,13 +642,15 @@ def restore_and_compile(
         say(f"--init-from {s.init_text} not read: resuming from the {restored.tier} state at step "
             f"{restored.step} (a run directory's own state wins)")  # fmt: skip
     compiled, seconds = step_program.result() if early is None else early
-    s.run.event(
-        WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
-    )
     for t, warmed in zip(tiers, warm, strict=True):
         warmed.result()
         t.ready()
     bootstrap.barrier("jaxpar_compiled")
+    # every program of every process is ready (the step, the checkpoint's checksums, the
+    # snapshot's copy): what comes after the event is the first step itself
+    s.run.event(
+        WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
+    )
     return state, compiled
 
 

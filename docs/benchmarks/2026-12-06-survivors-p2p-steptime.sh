@@ -3,7 +3,8 @@
 set -u
 out=${1:-/tmp/steptime}; steps=${STEPS:-25}
 [ -e "$out" ] && { echo "$out exists: give a new folder"; exit 2; }; mkdir -p "$out"
-model="--set model.d_model=512 --set model.n_layers=8 --set model.d_mlp=2048 --set model.n_heads=8 --set model.seq_len=64 --set data.seq_len=64 --set data.global_batch=12"
+# MODEL: the --set of the model (default: the 25.5M-parameter GPT of the first runs)
+model=${MODEL:-"--set model.d_model=512 --set model.n_layers=8 --set model.d_mlp=2048 --set model.n_heads=8 --set model.seq_len=64 --set data.seq_len=64 --set data.global_batch=12"}
 common="--recipe gpt_tiny --steps $steps --no-progress --set ckpt.every=0 --set ckpt.local_every=0 --set train.eval_every=0 $model"
 gloo=${GLOO_SITE:?a folder holding torch (pip install --target DIR torch)}
 for cfg in ${CONFIGS:-p2p hub world}; do

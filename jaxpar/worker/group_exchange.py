@@ -100,7 +100,6 @@ class Engine:
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                               wait_for_workers=False, timeout=timeout)  # fmt: skip
         store = dist.PrefixStore(str(spec["prefix"]), store)
-        _arrive(store, int(spec["rank"]), int(spec["world"]), timeout)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
@@ -111,6 +110,17 @@ class Engine:
                 raise RuntimeError(f"exchange {epoch} was superseded")
             self._pg = (epoch, pg)
         return pg
+
+    def close(self) -> None:
+        """Give up the communicator and stop the store now, while the interpreter is whole: left
+        to the interpreter's exit, their threads have been seen to abort the process (SIGABRT,
+        "terminate called without an active exception") after a run that ended well."""
+        with self._lock:
+            self._epoch = None
+            if self._pg is not None:
+                self._abort(self._pg[1])
+                self._pg = None
+            self._store = None  # TCPStore's destructor stops its server thread
 
     @staticmethod
     def _abort(pg) -> None:
@@ -130,12 +140,11 @@ class Engine:
         host, _, port = str(spec["store"]).rpartition(":")
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                               wait_for_workers=False, timeout=timeout)  # fmt: skip
-        store = dist.PrefixStore(str(spec["prefix"]), store)
-        _arrive(store, int(spec["rank"]), int(spec["world"]), timeout)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-        pg = dist.ProcessGroupGloo(store, int(spec["rank"]), int(spec["world"]), opts)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(str(spec["prefix"]), store),
+                                   int(spec["rank"]), int(spec["world"]), opts)  # fmt: skip
         try:
             flat = buffer.reshape(-1).view(np.uint8)
             for at in range(0, max(flat.size, 1), TRANSFER_CHUNK):
@@ -154,15 +163,6 @@ class Engine:
             pg.allreduce([t]).wait()
             out.append(t.numpy())
         return out
-
-
-def _arrive(store, rank: int, world: int, timeout: datetime.timedelta) -> None:
-    """Wait at the store until every member of the communicator has come, at most `timeout`
-    (the store's own error when one has not): a member that never comes is then found by a
-    plain store wait, before Gloo starts any connection, whose own rendezvous timing out has
-    been seen to abort the process."""
-    store.set(f"arrived/{rank}", b"1")
-    store.wait([f"arrived/{r}" for r in range(world)], timeout)
 
 
 class Plan:

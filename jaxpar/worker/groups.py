@@ -19,6 +19,7 @@ resharded by the hub otherwise.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -223,6 +224,7 @@ def engine() -> group_exchange.Engine:
                            socket.SOCK_DGRAM) as probe:  # fmt: skip
             probe.connect((host, int(port)))  # no packet: the route's local address
             _ENGINE.append(group_exchange.Engine(probe.getsockname()[0]))
+        atexit.register(_ENGINE[0].close)  # before the interpreter's teardown (Engine.close)
     return _ENGINE[0]
 
 

@@ -100,10 +100,27 @@ CONFIGS["maxtext_v5e_32b"] = (
 # accumulated microbatches of two sequences per chip.
 CONFIGS["maxtext_v5e_32b_fit"] = (*CONFIGS["maxtext_v5e_32b"][:4],
                                   {"model.remat": "block", "train.microbatches": 2})
-# MaxText's scripts for those rows (16b.sh, 32b.sh) compile with these libtpu flags: collectives
-# fused into asynchronous ones and overlapped with the matmuls. `NAME+flags` compiles NAME with
-# them, as the published runs did (libtpu reads them once, when it loads: one process per set).
-MAXTEXT_LIBTPU_FLAGS = (
+# MaxText configs/v5p/README.md, 32B on one v5p-128 (328 TFLOP/s per chip, MFU 71.47 %) with
+# configs/v5p/32b.sh: global_parameter_scale=32 as above, per_device_batch_size=7 (448
+# sequences), remat_policy=minimal (the matmul outputs kept: jaxpar's `dots`), fsdp 16 x tensor 4.
+CONFIGS["maxtext_v5p_32b"] = (
+    "v5p-128",
+    "llama3_8b",
+    [s.replace("data.global_batch=1024", "data.global_batch=448")
+     for s in CONFIGS["maxtext_v5e_32b"][2]],
+    {"fsdp": 16, "tensor": 4},
+    {"model.remat": "dots", "train.microbatches": 1},
+)
+# With `dots` jaxpar's program keeps the attention scores too (a matmul's output; MaxText's flash
+# kernel never writes them): 139.91 GB of temporaries on the compiler's 95.74 GB. `_fit`
+# recomputes each block in the backward pass instead (jaxpar's `block`, MaxText's `full`).
+CONFIGS["maxtext_v5p_32b_fit"] = (*CONFIGS["maxtext_v5p_32b"][:4],
+                                  {"model.remat": "block", "train.microbatches": 1})
+# MaxText's scripts for those rows (v5e/16b.sh, 32b.sh; v5p/32b.sh) compile with these libtpu
+# flags: collectives fused into asynchronous ones and overlapped with the matmuls. `NAME+flags`
+# compiles NAME with them, as the published runs did (libtpu reads them once, when it loads: one
+# process per set).
+_V5E_FLAGS = (
     "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
     "--xla_tpu_data_parallel_opt_different_sized_ops=true "
     "--xla_tpu_enable_async_collective_fusion=true "
@@ -111,6 +128,11 @@ MAXTEXT_LIBTPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
     "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
 )
+MAXTEXT_LIBTPU_FLAGS = {
+    "v5e": _V5E_FLAGS,
+    "v5p": "--xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true "
+    "--xla_tpu_enable_ag_backward_pipelining=true " + _V5E_FLAGS,
+}
 
 
 def run(name: str) -> dict:
@@ -118,7 +140,7 @@ def run(name: str) -> dict:
     target_name, recipe, sets, sizes, settings = CONFIGS[base]
     if flags:
         assert flags == "flags" and targets.get(target_name).family == "tpu", name
-        os.environ["LIBTPU_INIT_ARGS"] = MAXTEXT_LIBTPU_FLAGS
+        os.environ["LIBTPU_INIT_ARGS"] = MAXTEXT_LIBTPU_FLAGS[target_name[:3]]
     t = targets.get(target_name)
     cfg = validate(apply_overrides(resolve_recipe(recipe), sets))
     prof = hardware.get(t.name, t.devices)

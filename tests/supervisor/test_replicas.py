@@ -232,7 +232,11 @@ def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_
         run.close()
     failures = run.events("group_failure")
     void = [e for e in failures if "lost during the state transfer" in e["why"]]
-    assert [e["group"] for e in void] == [2], failures
+    if void:  # the hub saw the donor go first and voided the transfer
+        assert [e["group"] for e in void] == [2], failures
+    else:  # the joiner's own transfer error came first: it exited naming it, and was restarted
+        logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("inc*.log")]
+        assert any("the state transfer from group 0 failed" in t for t in logs), failures
     assert sorted(e["group"] for e in run.events("group_restart")) == [0, 2, 2], failures
     started = [e["group"] for e in run.events("group_started")]
     assert started.count(1) == 1 and started.count(0) == 2 and started.count(2) == 3, started

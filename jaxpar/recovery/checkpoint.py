@@ -217,7 +217,7 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
                 raise ValueError(f"checksum: dim {dim} of {x.shape} not divisible by {ways} {spec}")
 
     def local(*blocks):
-        hashes = []
+        pairs = []  # per block: (hash, count of NaNs and infinities)
         for block, shape, spec in zip(blocks, shapes, specs, strict=True):
             offsets = []
             for d, entry in enumerate(spec):
@@ -225,10 +225,9 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
                 for a in _axes_of(entry):
                     index = index * np.uint32(mesh.shape[a]) + jax.lax.axis_index(a)
                 offsets.append(jnp.asarray(index).astype(jnp.uint32) * np.uint32(block.shape[d]))
-            # and its count of NaNs and infinities: a state that holds any is not saved
-            hashes.append(_hash_and_nonfinite(block, shape, offsets))
-        bad = [n for _, n in hashes]
-        hashes = [h for h, _ in hashes]
+            # the count: a state that holds any NaN or infinity is not saved
+            pairs.append(_hash_and_nonfinite(block, shape, offsets))
+        hashes, bad = [h for h, _ in pairs], [n for _, n in pairs]
         vec = jnp.stack(hashes + bad) if hashes else jnp.zeros((0,), jnp.uint32)
         return jax.lax.all_gather(vec, tuple(mesh.axis_names))
 

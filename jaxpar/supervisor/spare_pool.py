@@ -31,6 +31,7 @@ class SparePool:
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.exits: dict[int, int] = {}  # pid -> return code, as the pool reported them
+        self.cpu_s: dict[int, float] = {}  # pid -> CPU seconds, as the pool reported them
         self.forked: set[int] = set()
         self.answers: list[dict] = []  # fork replies not taken yet
         self.buf = b""
@@ -68,6 +69,8 @@ class SparePool:
             return
         if "exit" in msg and isinstance(msg.get("code"), int):
             self.exits[int(msg["exit"])] = msg["code"]
+            if isinstance(msg.get("cpu_s"), int | float):
+                self.cpu_s[int(msg["exit"])] = float(msg["cpu_s"])
         elif "forked" in msg or "refused" in msg:
             self.answers.append(msg)
 
@@ -99,12 +102,16 @@ class SparePool:
         if not (self.gone or self.broken or self.prebuilt):
             self.prebuilt = self._send({"op": "prebuild"})
 
-    def fork(self, env: dict[str, str], argv: list[str], log: str) -> ForkedWorker | None:
-        """A worker forked from the pool, or None (the caller starts it cold): the pool is
-        gone, refused (why in `broken`), or not ready within READY_TIMEOUT_S."""
+    def fork(
+        self, env: dict[str, str], argv: list[str], log: str, stderr: str | None = None
+    ) -> ForkedWorker | None:
+        """A worker forked from the pool (stdout and stderr to `log`, or stderr to `stderr`),
+        or None (the caller starts it cold): the pool is gone, refused (why in `broken`), or not
+        ready within READY_TIMEOUT_S."""
         if self.gone or self.broken:
             return None
-        if not self._send({"op": "fork", "env": env, "argv": argv, "log": log}):
+        msg = {"op": "fork", "env": env, "argv": argv, "log": log}
+        if not self._send(msg if stderr is None else {**msg, "stderr": stderr}):
             return None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.answers and not self.gone and time.monotonic() < deadline:
@@ -168,6 +175,11 @@ class ForkedWorker:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.pid, signal.SIGKILL)
+
+    @property
+    def cpu_s(self) -> float | None:
+        """CPU seconds it used, with the processes it waited for, once it has ended."""
+        return self.pool.cpu_s.get(self.pid)
 
 
 def _exited(pid: int) -> bool:

@@ -9,9 +9,10 @@ stdout/stderr at the worker log, takes that environment and runs the command in-
 runpy, as `python -m MOD` or `python SCRIPT` would (a script's directory first on sys.path, in
 place of the current one). End of input releases it (exit 0).
 
-What a cold start reads at import time must not differ: if an environment variable named JAX_*
-or XLA_* changed since the spare started, or a jax backend was already initialised, the spare
-replaces itself with the command (`os.execvpe`) — correct, just not faster.
+What a cold start reads at start-up and import time must not differ: if an environment variable
+named JAX_*, XLA_* or PYTHON* (PYTHONPATH: where the imports come from) changed since the spare
+started, or a jax backend was already initialised, the spare replaces itself with the command
+(`os.execvpe`) — correct, just not faster.
 
 The spare pool (`python -m jaxpar.worker.spare --pool`) is the same preload in one process per
 host that forks each worker instead of becoming one: `jaxpar launch` starts it with a job's first
@@ -22,12 +23,14 @@ imports once rather than once per worker and per restart. Its protocol, one JSON
     {"op": "fork", "env": {...}, "argv": [...], "log": PATH}  ->  {"forked": PID}
                                                                    | {"refused": WHY}
     {"op": "prebuild"}   build the run's model abstractly now (config.json exists by then)
-    (a forked worker ends)                                    ->  {"exit": PID, "code": CODE}
+    (a forked worker ends)                     ->  {"exit": PID, "code": CODE, "cpu_s": SECONDS}
 
-A forked worker is a child of the pool (its parent-death signal follows the pool, which dies
-with the supervisor); CODE is what `subprocess.Popen.returncode` would say (-N: signal N). The
+A fork request may add "stderr": PATH (the worker's stderr apart from its stdout, which goes to
+the log). A forked worker is a child of the pool (its parent-death signal follows the pool, which
+dies with the supervisor); CODE is what `subprocess.Popen.returncode` would say (-N: signal N),
+SECONDS the CPU time it used with the processes it waited for (as `wait4` reports it). The
 pool forks only while it is what a cold start would be: one Python thread, no jax backend, and
-the worker's JAX_*/XLA_* environment its own. End of input: the pool exits once its workers have.
+the worker's JAX_*/XLA_*/PYTHON* environment its own. End of input: the pool exits once its workers have.
 
     python -m jaxpar.worker.spare      # started by the supervisor, never by hand
     python -m jaxpar.worker.spare --pool
@@ -64,7 +67,8 @@ PRELOAD = (
     "jaxpar.worker.bootstrap",
     "jaxpar.api",  # an entrypoint of one's own (jaxpar.entrypoint, build, CheckpointManager)
 )
-IMPORT_TIME_PREFIXES = ("JAX_", "XLA_")
+# read when the interpreter starts (PYTHONPATH, PYTHONHASHSEED, ...) or jax is imported
+IMPORT_TIME_PREFIXES = ("JAX_", "XLA_", "PYTHON")
 # ... except what jax reads only when the worker calls it (jax.distributed.initialize), which a
 # worker's slot sets apart from its neighbours'
 RUN_TIME_ONLY = frozenset({"JAX_LOCAL_DEVICE_IDS"})
@@ -201,13 +205,17 @@ def can_run_here(env: dict[str, str], argv: list[str]) -> bool:
     return all(env.get(k) == os.environ.get(k) for k in keys)
 
 
-def redirect(log: str) -> None:
+def redirect(log: str, stderr: str | None = None) -> None:
+    """stdout (and stderr, unless `stderr` names its own file) appended to `log`; stdin from
+    /dev/null."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    streams = {log: (1,), stderr: (2,)} if stderr and stderr != log else {log: (1, 2)}
+    for path, targets in streams.items():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for target in targets:
+            os.dup2(fd, target)
+        os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -284,7 +292,8 @@ def _forked_worker(msg: dict, server_fds: list[int]) -> None:
                 pass
         env = dict(msg["env"])
         env[bootstrap.ENV_SUPERVISOR_PID] = str(os.getppid())  # it dies with the pool
-        redirect(msg["log"])
+        stderr = msg.get("stderr")
+        redirect(msg["log"], stderr if isinstance(stderr, str) else None)
         os.environ.clear()
         os.environ.update(env)
         _name_process(f"jaxpar-proc{env.get(bootstrap.ENV_PROCESS_ID, '')}")
@@ -336,7 +345,7 @@ class _Pool:
         if threading.active_count() != 1:
             return f"{threading.active_count()} Python threads in the pool"
         if not can_run_here(dict(msg["env"]), list(msg["argv"])):
-            return "a cold start would differ (a jax backend, or JAX_*/XLA_* changed)"
+            return "a cold start would differ (a jax backend, or JAX_*/XLA_*/PYTHON* changed)"
         return ""
 
     def fork(self, msg: dict) -> None:
@@ -385,11 +394,12 @@ class _Pool:
             raise SystemExit(f"spare pool: a request over {MAX_REQUEST} bytes")
 
     def reap(self, pid: int) -> None:
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)
         fd = self.children.pop(pid)
         self.sel.unregister(fd)
         os.close(fd)
-        self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        cpu_s = round(usage.ru_utime + usage.ru_stime, 3)
+        self.reply({"exit": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": cpu_s})
 
     def loop(self) -> None:
         while self.open or self.children:

@@ -38,6 +38,12 @@ if mode == "thread":  # a non-daemon thread outlives the main one: the exit wait
     sys.exit(0)
 if mode == "sleep":
     time.sleep(600)
+if mode == "spin":  # some CPU, and a line on each stream
+    while time.process_time() < 0.3:
+        pass
+    print("to stdout")
+    print("to stderr", file=sys.stderr)
+    record(cpu_s=time.process_time())
 """
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,8 +106,20 @@ def test_forked_workers_exit_as_cold_ones_would(pool):
     assert not pool.broken
 
 
-def test_a_changed_import_time_variable_is_refused_and_starts_cold(pool):
-    w, out, _ = _fork(pool, "code", JAX_ENABLE_X64="1")
+def test_stderr_apart_and_the_cpu_a_worker_used(pool):
+    out, log, err = (pool.dir / f"spin.{x}" for x in ("jsonl", "log", "err"))
+    env = {**pool.env, "POOL_TEST": "spin"}
+    w = pool.fork(env, [sys.executable, pool.script, "spin", str(out)], str(log), str(err))
+    assert w.wait(timeout=120) == 0 and w.cpu_s is not None
+    assert log.read_text() == "to stdout\n" and err.read_text() == "to stderr\n"
+    # what the worker measured of itself before its exit
+    (used,) = [r["cpu_s"] for r in _records(out) if "cpu_s" in r]
+    assert used >= 0.3 and w.cpu_s >= used - 0.02, (w.cpu_s, used)
+
+
+@pytest.mark.parametrize("changed", [{"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": "/elsewhere"}])
+def test_a_changed_import_time_variable_is_refused_and_starts_cold(pool, changed):
+    w, out, _ = _fork(pool, "code", **changed)
     assert w is None and "refused" in pool.broken, pool.broken
     # from then on every worker starts cold (the caller's part), even one the pool would take
     assert pool.fork(pool.env, [sys.executable, pool.script, "code", str(out)], os.devnull) is None

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.rundir.runlog import last_per_step, read_jsonl
+from tests.support import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 # XLA flags of the test processes (and their subprocesses): single-threaded CPU ops (8 simulated
@@ -98,7 +99,14 @@ def run(
     if `merge`.
 
     On timeout the process group is killed and an AssertionError carries the output's tail.
+    jaxpar's own command lines in the checkout are forked from a preloaded pool
+    (tests/support/forkserver.py): the same run without the ~1.7 CPU-s of imports.
     """
+    env = cpu_env() if env is None else env
+    if forkserver.forkable(cmd, cwd, REPO):
+        done = forkserver.run(cmd, env, timeout, merge, REPO)
+        if done is not None:
+            return subprocess.CompletedProcess(cmd, *done)
     stderr = subprocess.STDOUT if merge else subprocess.PIPE
     proc = start(cmd, env, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:

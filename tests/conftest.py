@@ -252,7 +252,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu() -> tuple[float, float]:  # (this process, the subprocesses it waited for)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # + the runs the fork server ran
-        return time.process_time(), kids.ru_utime + kids.ru_stime + forkserver.FORKED_CPU[0]
+        return time.process_time(), kids.ru_utime + kids.ru_stime + forkserver.cpu_s()
 
     (own, kids), wall = cpu(), time.monotonic()
     yield

@@ -6,7 +6,8 @@ every STRAGGLE_S seconds from the step where a signal is sent, so that it lands 
 Runs are STEPS = 20 steps with a save every 10: a signal after the first save, a restore, a save
 after it and steps on both sides of each (more steps would only repeat them).
 
-Workers are started here with the environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
+Workers are forked from the tests' preloaded pool (tests/support/forkserver.py) with the
+environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
 JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID, JAXPAR_DEVICES_PER_PROC; XLA_FLAGS sets no device
 count), each in its own process group, and are always killed by group at the end.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.worker.bootstrap import EXIT_PREEMPTED
+from tests.support import forkserver
 from tests.support.helpers import SMALL, assert_exact, cpu_env, events, losses
 
 pytestmark = pytest.mark.slow
@@ -65,10 +67,11 @@ class Pair:
             )  # fmt: skip
             log = open(run_dir.parent / f"{run_dir.name}.p{i}.{time.time():.0f}.log", "w")
             self.logs.append(log)
+            # forked from the tests' preloaded pool, as `jaxpar launch` forks its workers
+            proc = forkserver.start(cmd, env, log.name, REPO)
             out = {"stdout": log, "stderr": subprocess.STDOUT}
-            self.procs.append(
-                subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **out)
-            )
+            proc = proc or subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **out)
+            self.procs.append(proc)
 
     def wait(self, timeout: float = 600) -> list[int]:
         deadline = time.time() + timeout

@@ -10,8 +10,8 @@ same command in the same environment, its own session, stdout and stderr to file
 it ends. What the pool would not run as a cold start would (its own rules: a backend created, a
 JAX_*/XLA_*/PYTHON* variable changed) and commands in another directory start cold.
 
-The CPU the forked runs use is reported by the pool (`wait4` of each run) and added to FORKED_CPU
-with the pool's own (its imports, its forks), which tests/conftest.py counts in each test's row of
+The CPU the forked runs use is reported by the pool (`wait4` of each run); `cpu_s()` adds it to
+the pools' own (their imports, their forks), and tests/conftest.py counts it in each test's row of
 JAXPAR_TEST_CPU_LOG: forking moves no CPU out of the log.
 
 JAXPAR_TEST_FORK=0 starts every run cold.
@@ -34,11 +34,8 @@ from jaxpar.worker import spare as spare_lib
 FORK_ENV = "JAXPAR_TEST_FORK"
 MODULES = ("train", "jaxpar.cli")  # what the pool runs: jaxpar's own command lines
 MAX_POOLS = 2  # per test process (each holds jax and jaxpar imported: ~300 MB)
-FORKED_CPU = [0.0]  # CPU seconds of the runs forked so far in this process
 
 _pools: dict[tuple, SparePool] = {}
-_pool_cpu: dict[int, float] = {}  # pool pid -> its own CPU seconds counted so far
-_counted: dict[int, float] = {}  # pool pid -> CPU seconds added to FORKED_CPU for it (+ its runs)
 _lock = threading.Lock()
 _logs = tempfile.mkdtemp(prefix="jaxpar-test-fork-")
 
@@ -104,9 +101,6 @@ def run(cmd: list[str], env: dict[str, str], timeout: float, merge: bool, repo: 
             worker.wait(60)
             raise AssertionError(f"{cmd} timed out after {timeout}s:\n{_read(out)[-3000:]}\n"
                                  f"{_read(err)[-3000:] if err else ''}") from None  # fmt: skip
-        used = (worker.cpu_s or 0.0) + _pool_cpu_since(pool.proc.pid)
-        FORKED_CPU[0] += used
-        _counted[pool.proc.pid] = _counted.get(pool.proc.pid, 0.0) + used
         return code, _read(out), (None if merge else _read(err))
     finally:
         for path in (out, err):
@@ -114,16 +108,32 @@ def run(cmd: list[str], env: dict[str, str], timeout: float, merge: bool, repo: 
                 os.unlink(path)
 
 
-def _pool_cpu_since(pid: int) -> float:
-    """The pool's own CPU seconds (not its children's) since the last call."""
+def start(cmd: list[str], env: dict[str, str], log: str, repo: Path):
+    """`cmd` forked from the pool, stdout and stderr to `log`: a ForkedWorker (pid, poll, wait,
+    kill; its own session), or None when the pool cannot run it (the caller starts it cold)."""
+    if not forkable(cmd, repo, repo):
+        return None
+    return _pool(env, repo).fork(env, list(cmd), log)
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process's live pools, their own and those of the runs they reported
+    ended. A pool released is waited for: from then on RUSAGE_CHILDREN holds all of it."""
+    total = 0.0
+    for pool in _pools.values():
+        pool.pump()
+        total += sum(pool.cpu_s.values()) + _own_cpu(pool.proc.pid)
+    return total
+
+
+def _own_cpu(pid: int) -> float:
+    """A live process's own CPU seconds (not its children's)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return 0.0
-    now = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    before, _pool_cpu[pid] = _pool_cpu.get(pid, 0.0), now
-    return now - before
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _read(path: str | None) -> str:
@@ -134,10 +144,8 @@ def _read(path: str | None) -> str:
 
 
 def _close(pool: SparePool) -> None:
-    """Release `pool` and wait for it: from then on the process's RUSAGE_CHILDREN holds its CPU
-    and its runs', so what FORKED_CPU counted of them is taken back out."""
+    """Release `pool` (it exits once its runs have) and wait for it."""
     pool.close()
-    FORKED_CPU[0] -= _counted.pop(pool.proc.pid, 0.0)
 
 
 @atexit.register

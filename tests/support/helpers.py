@@ -29,8 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 # run a few steps (or a few steps of the small model). Runs of many full-size steps use
 # XLA_OPT_FLAGS (`cpu_env(fast_compile=False)`). Runs that a test compares always share them.
 XLA_OPT_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+# (+ the module compiled in one piece: codegen split for parallel threads costs ~5 % more CPU)
 XLA_TEST_FLAGS = (
     f"{XLA_OPT_FLAGS} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
 )
 CACHE_ENV = "JAXPAR_TEST_COMPILATION_CACHE"  # set by conftest: the session's cache directory
 LOCAL_ENV = "JAXPAR_TEST_LOCAL_DIR"  # set by conftest: the session's local snapshot tier root

@@ -18,6 +18,7 @@ from tests.support.helpers import REPO, SMALL, cpu_env, events, ok, run, start, 
 
 pytestmark = pytest.mark.slow
 
+
 def cmd(run_dir, *args, steps, faults=()):
     return train_cmd(run_dir, *SMALL, *args, steps=steps, faults=faults)
 

@@ -48,9 +48,9 @@ FULL = {
     "standby_slow_s": 5.0,
     "peer": True,  # the same kills in a torchrun + DDP + DCP job (recovery_peer.py)
 }
-# quick: one kill after a period of 6 s (a standby or spares restart of the small model takes
+# quick: one kill after a period of 3 s (a standby or spares restart of the small model takes
 # 1-2 s), then another period: the workers train all through it, most of the goodput job's CPU
-QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (6.0,), "goodput_paths": ("standby",),
+QUICK = {"kills": (6,), "steps": 8, "every": 3, "periods": (3.0,), "goodput_paths": ("standby",),
          "cycles": 1, "nproc": 2, "standby_slow_s": 20.0, "peer": False}  # fmt: skip
 MODES = {
     "cold": (["--no-spares"], ["run.compile_cache=false", "ckpt.local_every=0"]),

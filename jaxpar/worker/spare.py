@@ -30,7 +30,8 @@ the log). A forked worker is a child of the pool (its parent-death signal follow
 dies with the supervisor); CODE is what `subprocess.Popen.returncode` would say (-N: signal N),
 SECONDS the CPU time it used with the processes it waited for (as `wait4` reports it). The
 pool forks only while it is what a cold start would be: one Python thread, no jax backend, and
-the worker's JAX_*/XLA_*/PYTHON* environment its own. End of input: the pool exits once its workers have.
+the worker's JAX_*/XLA_*/PYTHON* environment its own. End of input: the pool exits once its
+workers have.
 
     python -m jaxpar.worker.spare      # started by the supervisor, never by hand
     python -m jaxpar.worker.spare --pool

@@ -5,9 +5,8 @@ A cold `python -m train` pays ~1.7 CPU-s of imports (jax, flax, orbax, optax, gr
 first line of work; the suite starts such runs a couple of hundred times. A pool per pytest
 process and per start-up environment (the JAX_*/XLA_*/PYTHON* variables: what a fork must not
 change; the MAX_POOLS used last are kept) pays them once and forks each run, exactly as
-`jaxpar launch` forks its workers: the run is the
-same command in the same environment, its own session, stdout and stderr to files read back when
-it ends. What the pool would not run as a cold start would (its own rules: a backend created, a
+`jaxpar launch` forks its workers: the run is the same command in the same environment, its own
+session, stdout and stderr to files read back when it ends. What the pool would not run as a cold start would (its own rules: a backend created, a
 JAX_*/XLA_*/PYTHON* variable changed) and commands in another directory start cold.
 
 The CPU the forked runs use is reported by the pool (`wait4` of each run); `cpu_s()` adds it to
@@ -35,8 +34,7 @@ FORK_ENV = "JAXPAR_TEST_FORK"
 MODULES = ("train", "jaxpar.cli")  # what the pool runs: jaxpar's own command lines
 MAX_POOLS = 2  # per test process (each holds jax and jaxpar imported: ~300 MB)
 
-_pools: dict[tuple, SparePool] = {}
-_lock = threading.Lock()
+_pools: dict[tuple, SparePool] = {}  # used from the main thread only (see forkable)
 _logs = tempfile.mkdtemp(prefix="jaxpar-test-fork-")
 
 
@@ -58,27 +56,26 @@ def forkable(cmd: list[str], cwd, repo: Path) -> bool:
 
 def _pool(env: dict[str, str], repo: Path) -> SparePool:
     key = _import_time(env)
-    with _lock:
-        pool = _pools.pop(key, None)  # (re)inserted last: the most recently used
-        if pool is not None and (pool.gone or pool.broken):
-            _close(pool)
-            pool = None
-        if pool is None:
-            while len(_pools) >= MAX_POOLS:
-                _close(_pools.pop(next(iter(_pools))))
-            # what the pool imports is the checkout's (its working directory is sys.path[0], as
-            # for `python -m train` there); jaxpar's per-run variables come with each request
-            own = {k: v for k, v in env.items() if not k.startswith("JAXPAR_")}
-            log = os.fdopen(tempfile.mkstemp(dir=_logs, suffix=".log")[0], "ab")
-            cwd = os.getcwd()
-            os.chdir(repo)
-            try:
-                pool = SparePool(own, "module:train", log)
-            finally:
-                os.chdir(cwd)
-            log.close()
-        _pools[key] = pool
-        return pool
+    pool = _pools.pop(key, None)  # (re)inserted last: the most recently used
+    if pool is not None and (pool.gone or pool.broken):
+        pool.close()
+        pool = None
+    if pool is None:
+        while len(_pools) >= MAX_POOLS:
+            _pools.pop(next(iter(_pools))).close()  # it exits once its runs have
+        # what the pool imports is the checkout's (its working directory is sys.path[0], as for
+        # `python -m train` there); jaxpar's per-run variables come with each request
+        own = {k: v for k, v in env.items() if not k.startswith("JAXPAR_")}
+        log = os.fdopen(tempfile.mkstemp(dir=_logs, suffix=".log")[0], "ab")
+        cwd = os.getcwd()
+        os.chdir(repo)
+        try:
+            pool = SparePool(own, "module:train", log)
+        finally:
+            os.chdir(cwd)
+        log.close()
+    _pools[key] = pool
+    return pool
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float, merge: bool, repo: Path):
@@ -143,14 +140,9 @@ def _read(path: str | None) -> str:
         return f.read()
 
 
-def _close(pool: SparePool) -> None:
-    """Release `pool` (it exits once its runs have) and wait for it."""
-    pool.close()
-
-
 @atexit.register
 def close() -> None:
     for pool in _pools.values():
-        _close(pool)
+        pool.close()
     _pools.clear()
     shutil.rmtree(_logs, ignore_errors=True)

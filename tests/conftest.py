@@ -42,6 +42,9 @@ def _xla_flags(existing: str, devices: int) -> str:
 
 # Must happen before jax creates its CPU backend (the first jax.devices() call).
 os.environ["XLA_FLAGS"] = _xla_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
+# as `jaxpar launch` gives its workers: a supervisor forked from the tests' pool then has their
+# start-up environment, and forks its own spare pool instead of starting one cold
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 helpers.START_ENV.update(os.environ)
 
 import jax

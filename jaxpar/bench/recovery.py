@@ -28,6 +28,7 @@ from jaxpar.bench.harness import Bench, table
 from jaxpar.rundir import runlog
 from jaxpar.rundir.goodput import ledger_of
 from jaxpar.rundir.runlog import PHASES, SupervisorEvent, WorkerEvent, read_jsonl
+from jaxpar.supervisor import standby_group
 
 DEVICES = 2  # CPU devices per process
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -145,8 +146,9 @@ class _Job:
 
 class _StandbyMemory:
     """Samples, once a second, the resident memory of the job's waiting standby workers (their
-    environment has JAXPAR_STANDBY=1 and an incarnation after the running group's) and of the
-    running group's workers; keeps the peaks (MB, summed over processes)."""
+    output still goes to the standby directory: they have not been told to go) and of the
+    running group's workers; keeps the peaks (MB, summed over processes; a forked worker's RSS
+    counts the pages it shares with its spare pool)."""
 
     def __init__(self, job: _Job):
         self.job, self.standby_mb, self.group_mb = job, 0.0, 0.0
@@ -160,20 +162,15 @@ class _StandbyMemory:
                 self._sample()
 
     def _sample(self) -> None:
-        events = read_jsonl(os.path.join(self.job.run_dir, runlog.EVENTS))
-        running = max(
-            (e["incarnation"] for e in events if e.get("event") == WorkerEvent.START), default=0
-        )
         workers = set(self.job.worker_pids())
         standby = group = 0
+        # a waiting standby worker writes to its standby directory (its environment in /proc is
+        # its spare pool's when it was forked from one)
+        waiting = os.sep + standby_group.dir_prefix(self.job.run_dir)
         for p in psutil.Process(self.job.proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                env = p.environ()
+            with contextlib.suppress(psutil.Error, OSError):
                 rss = p.memory_info().rss
-                if (
-                    env.get("JAXPAR_STANDBY") == "1"
-                    and int(env.get("JAXPAR_INCARNATION", -1)) > running
-                ):
+                if waiting in os.readlink(f"/proc/{p.pid}/fd/1"):
                     standby += rss
                 elif p.pid in workers:
                     group += rss

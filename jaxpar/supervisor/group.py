@@ -185,7 +185,7 @@ class LocalGroup:
             name = f"spare-pool-proc{spec['process_ids'][0]}.log"
             with self._log(os.path.join(self.log_dir, name)) as log:
                 target = spare_lib.target_of(self.opts.command) or ""
-                self.pool = SparePool(env, target, log)
+                self.pool = SparePool(env, target, log, fork_self=True)
         if self.pool.broken:
             return None
         forked = self.pool.fork({**env, bootstrap.ENV_START_PATH: "spare"}, self.opts.command, path)
@@ -201,7 +201,10 @@ class LocalGroup:
         return len(self.spares) >= nproc or (self.spec is None and self._pool_wanted())
 
     def release_pool(self) -> None:
-        """Once this host's workers are stopped: the pool exits."""
+        """Once this host's workers are stopped: the pool exits (with the standby workers it
+        forked: they are released first)."""
+        if self.standby is not None and self.standby.pool is self.pool:
+            self.release_standby()
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -283,7 +286,8 @@ class LocalGroup:
         spec = dict(self.spec, incarnation=self.spec["incarnation"] + 1,
                     attempt=self.spec["attempt"] + 1, coordinator=join_address("127.0.0.1", port),
                     bind=join_address(bind, port), standby=True)  # fmt: skip
-        self.standby = Standby(spec)
+        pool = self.pool if self.pool is not None and not self.pool.broken else None
+        self.standby = Standby(spec, self.opts.run_dir, pool)
         for local_rank, pid in enumerate(spec["process_ids"]):
             self.standby.spawn(pid, self.opts.command, self._env(spec, pid, local_rank))
 

@@ -4,14 +4,18 @@ part of `subprocess.Popen` the supervisor uses (pid, poll, wait, kill, returncod
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 from jaxpar.worker import spare as spare_lib
 
@@ -22,11 +26,14 @@ MAX_REPLY = 1 << 20  # bytes of the replies not yet read: more means the pool is
 class SparePool:
     """`python -m jaxpar.worker.spare --pool` started with `env`; fork workers from it."""
 
-    def __init__(self, env: dict[str, str], target: str, log) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxpar.worker.spare", "--pool"],
-            env={**env, spare_lib.ENV_TARGET: target}, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+    def __init__(self, env: dict[str, str], target: str, log, fork_self: bool = False) -> None:
+        """`fork_self`: the pool may be forked from this process (a supervisor) when it holds
+        the imports already (_fork_preloaded)."""
+        env = {**env, spare_lib.ENV_TARGET: target}
+        forked = _fork_preloaded(env, log) if fork_self else None
+        self.proc = forked or subprocess.Popen(
+            [sys.executable, "-m", "jaxpar.worker.spare", "--pool"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
         )  # fmt: skip
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
@@ -143,6 +150,102 @@ class SparePool:
             self.proc.stdout.close()
 
 
+def _fork_preloaded(env: dict[str, str], log) -> _PoolProcess | None:
+    """The pool forked from this process when it already holds what the pool would import (the
+    supervisor started from Python that imported jaxpar's workers, or itself forked from a pool):
+    one Python thread, the preload imported, no jax backend, the same start-up variables. The
+    fork is then what `python -m jaxpar.worker.spare --pool` would be, less ~1.6 CPU-s of
+    imports. None: start it cold."""
+    if (
+        threading.active_count() != 1
+        or not all(name in sys.modules for name in spare_lib.PRELOAD)
+        or not spare_lib.same_start(env)
+    ):
+        return None
+    requests, replies = os.pipe(), os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the pool: nothing of the supervisor's but its imports
+        code = 1
+        try:
+            os.setsid()
+            # the supervisor's garbage finalised now, while its descriptors are still its own,
+            # and the rest out of the collector's sight: nothing of it closes a descriptor later
+            gc.collect()
+            gc.freeze()
+            os.dup2(log.fileno(), 2)
+            os.dup2(2, 1)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(requests[0], 3)
+            os.dup2(replies[1], 4)
+            os.closerange(5, os.sysconf("SC_OPEN_MAX"))  # the supervisor's sockets, pipes, logs
+            _fresh_signals()
+            atexit._clear()  # the supervisor's
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = [spare_lib.__file__, "--pool"]
+            sys.path[0] = os.getcwd()  # as `python -m` puts it there
+            code = spare_lib.serve(3, 4)
+        except SystemExit as e:
+            code = spare_lib.exit_code(e.code)
+        except BaseException:  # noqa: BLE001 - reported to the pool's log
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(requests[0])
+    os.close(replies[1])
+    return _PoolProcess(pid, requests[1], replies[0])
+
+
+def _fresh_signals() -> None:
+    """Signal handling as a new interpreter has it (the supervisor's handlers, wake-up fd,
+    mask and timer gone)."""
+    signal.set_wakeup_fd(-1)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    ignored = {signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)}
+    for sig in signal.valid_signals():
+        fresh = (
+            signal.default_int_handler if sig == signal.SIGINT
+            else signal.SIG_IGN if sig in ignored else signal.SIG_DFL
+        )  # fmt: skip
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if signal.getsignal(sig) != fresh:
+                signal.signal(sig, fresh)
+
+
+class _PoolProcess:
+    """A pool forked from this process, as the part of `subprocess.Popen` SparePool uses."""
+
+    def __init__(self, pid: int, stdin: int, stdout: int) -> None:
+        self.pid = pid
+        self.stdin = os.fdopen(stdin, "wb")
+        self.stdout = os.fdopen(stdout, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (1e9 if timeout is None else timeout)
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class ForkedWorker:
     """A worker the pool forked, as the supervisor sees a `subprocess.Popen` (its own session:
     its pid is its process group's)."""
@@ -172,9 +275,13 @@ class ForkedWorker:
             raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, sig)
+
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
     @property
     def cpu_s(self) -> float | None:

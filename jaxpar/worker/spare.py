@@ -199,7 +199,13 @@ def backend_initialised() -> bool:
 
 def can_run_here(env: dict[str, str], argv: list[str]) -> bool:
     """Whether running `argv` in this process equals a cold start of it."""
-    if target_of(argv) is None or backend_initialised():
+    return target_of(argv) is not None and same_start(env)
+
+
+def same_start(env: dict[str, str]) -> bool:
+    """Whether this process is what an interpreter started with `env` would be once it imported
+    jax: no jax backend yet, and the same JAX_*/XLA_*/PYTHON* variables."""
+    if backend_initialised():
         return False
     keys = {k for k in (*env, *os.environ)
             if k.startswith(IMPORT_TIME_PREFIXES) and k not in RUN_TIME_ONLY}  # fmt: skip
@@ -411,18 +417,21 @@ class _Pool:
                     self.reap(key.data)
 
 
-def serve() -> int:
-    """The spare pool's process (see the module's doc)."""
+def serve(requests: int | None = None, replies: int | None = None) -> int:
+    """The spare pool's process (see the module's doc); `requests` and `replies`: descriptors
+    already apart from 0/1/2 (a pool forked from a preloaded supervisor: spare_pool.py)."""
     bootstrap.die_with_supervisor()  # and its workers with it (their parent-death signal)
     # requests and replies on descriptors of their own: what the pool or a worker prints never
     # reaches the protocol, and a worker's 0/1/2 are its own from the fork on
-    requests, replies = os.dup(0), os.dup(1)
+    how = "forked from the supervisor's imports"
+    if requests is None or replies is None:
+        requests, replies, how = os.dup(0), os.dup(1), "imports done"
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
     preload(os.environ.get(ENV_TARGET), pool=True)
-    print(f"spare pool {os.getpid()}: ready", flush=True)
+    print(f"spare pool {os.getpid()}: ready ({how})", flush=True)
     _Pool(requests, replies).loop()
     return 0
 

@@ -9,15 +9,19 @@ standby processes, mesh and program built, train step loaded from RUN_DIR/compil
 compiled, data source built, the step run once on a throwaway state of zeros (its collectives
 connected; training.warm_step) — and then:
 
-1. writes the line `ready` to the file descriptor named by JAXPAR_STANDBY_FD (a pipe the
-   supervisor reads) and closes it;
-2. blocks on its stdin for one line: `{"log": PATH}` means go — its stdout/stderr move to the
+1. opens for reading the named pipe JAXPAR_STANDBY_GO, then writes the line `ready` to the named
+   pipe JAXPAR_STANDBY_READY (both made by the supervisor in a private directory of its own,
+   which it may remove from then on) and closes it;
+2. blocks on the go pipe for one line: `{"log": PATH}` means go — its stdout/stderr move to the
    worker log PATH and it goes on with the normal path (lock, restore, `start` event, train);
-   end of input (or anything else) releases it: it exits 0 at once.
+   end of input (the supervisor closed the pipe, or died) or anything else releases it: it
+   exits 0 at once.
 
+The channels are named, not inherited, so the supervisor can fork a standby from its spare pool
+(jaxpar/worker/spare.py: imports paid once, pages shared with the pool) as well as start it.
 Before "go" a standby writes nothing to the run directory (no event, heartbeat, lock, log,
-stack-dump file or compiled-program entry); its output goes to a temporary file the supervisor
-copies into the worker log on "go".
+stack-dump file or compiled-program entry); its output goes to a file in the supervisor's
+private directory, which the supervisor copies into the worker log on "go".
 
 How this process came up is one `StartRole`, read once from what the supervisor set when it
 spawned the process (`role()`): `wait_for_go` changes that object, never the environment.
@@ -34,8 +38,10 @@ from dataclasses import dataclass
 from jaxpar.worker import bootstrap, spare
 
 ENV_STANDBY = "JAXPAR_STANDBY"  # "1": this worker is a standby (waits for "go")
-ENV_READY_FD = "JAXPAR_STANDBY_FD"  # the pipe the `ready` line goes to
+ENV_READY = "JAXPAR_STANDBY_READY"  # the named pipe the `ready` line goes to
+ENV_GO = "JAXPAR_STANDBY_GO"  # the named pipe "go" (or the end of input) comes from
 READY = b"ready\n"
+MAX_GO = 1 << 16  # bytes of the "go" line
 
 
 @dataclass
@@ -45,31 +51,42 @@ class StartRole:
 
     path: str
     waiting: bool = False
-    ready_fd: int | None = None
+    ready_path: str | None = None
+    go_path: str | None = None
 
     @classmethod
     def from_environment(cls, environ: dict[str, str]) -> StartRole:
-        """What the supervisor said: JAXPAR_STANDBY (and its ready pipe), JAXPAR_START_PATH."""
+        """What the supervisor said: JAXPAR_STANDBY (and its channels), JAXPAR_START_PATH."""
         if environ.get(ENV_STANDBY) == "1":
-            fd = environ.get(ENV_READY_FD)
-            return cls("standby", waiting=True, ready_fd=int(fd) if fd else None)
+            return cls("standby", True, environ.get(ENV_READY), environ.get(ENV_GO))
         return cls("spare" if environ.get(bootstrap.ENV_START_PATH) == "spare" else "cold")
 
     def report_ready(self) -> None:
-        fd, self.ready_fd = self.ready_fd, None
-        if fd is None:
+        path, self.ready_path = self.ready_path, None
+        if path is None:
             return
-        with contextlib.suppress(OSError):
-            os.write(fd, READY)
-            os.close(fd)
+        with contextlib.suppress(OSError):  # no reader: the supervisor is gone (go reads EOF)
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, READY)
+            finally:
+                os.close(fd)
 
     def wait_for_go(self) -> None:
         """Report ready, then block until "go" (returns) or release (exits 0). A no-op for a
         worker that is not a standby, or once it has gone."""
         if not self.waiting:
             return
-        self.report_ready()
-        line = sys.stdin.readline()
+        line = b""
+        try:  # opened first: once `ready` is read, the supervisor may remove the names
+            go = os.open(self.go_path or "", os.O_RDONLY | os.O_NONBLOCK)  # never waits
+            os.set_blocking(go, True)  # reads do: until the line, or the writer's end
+        except OSError:
+            go = None
+        if go is not None:
+            self.report_ready()
+            with os.fdopen(go, "rb") as f:
+                line = f.readline(MAX_GO)
         try:
             msg = json.loads(line) if line.strip() else None
         except ValueError:
@@ -89,8 +106,8 @@ def role() -> StartRole:
     """This process's `StartRole` (one per process: the supervisor's word does not change)."""
     if not _ROLE:
         _ROLE.append(StartRole.from_environment(dict(os.environ)))
-        for name in (ENV_STANDBY, ENV_READY_FD):  # read once; processes this one starts are
-            os.environ.pop(name, None)  # not standbys (and the ready pipe is this one's)
+        for name in (ENV_STANDBY, ENV_READY, ENV_GO):  # read once; processes this one starts
+            os.environ.pop(name, None)  # are not standbys (and the channels are this one's)
     return _ROLE[0]
 
 

@@ -14,12 +14,11 @@ import os
 import socket
 from pathlib import Path
 
-import psutil
 import pytest
 
 from jaxpar.recovery import local_tier  # noqa: E402
 from tests.support.helpers import assert_exact  # noqa: E402
-from tests.support.launch_util import Launch, clean_env, losses, train_cmd  # noqa: E402
+from tests.support.launch_util import Launch, clean_env, losses, run_processes, train_cmd  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -82,17 +81,6 @@ def _two_nodes(run_dir: Path, roots: list[Path], faults: list[str]) -> list[Laun
     return agents
 
 
-def _alive_with(run_dir: Path) -> list[int]:
-    target, out = os.path.abspath(run_dir), []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("JAXPAR_RUN_DIR") == target:
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
 def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     run_dir = tmp_path / "run"
     roots = [tmp_path / "ram0", tmp_path / "ram1"]
@@ -109,7 +97,7 @@ def test_lost_host_restores_from_peer_copy(reference, tmp_path):
     assert not os.path.exists(os.path.join(node0, "proc0")), "the lost host's RAM survived"
     (fired,) = agents[0].events("fault_injected")
     assert (fired["kind"], fired["node"], fired["step"]) == ("losthost", 0, 7)
-    assert not _alive_with(run_dir), "processes of the lost job are still running"
+    assert not run_processes(run_dir), "processes of the lost job are still running"
     agents = _two_nodes(run_dir, roots, [])
     try:
         codes = [a.wait(WAIT) for a in agents]
@@ -157,4 +145,4 @@ def test_worker_killed_standby_group_takes_over(reference, tmp_path):
     (restore,) = run.events("restore")
     assert restore["tier"] == "local" and restore["incarnation"] == 1, restore
     assert_exact(run.run_dir, reference)
-    assert not _alive_with(run.run_dir), "standby or worker processes outlived the job"
+    assert not run_processes(run.run_dir), "standby or worker processes outlived the job"

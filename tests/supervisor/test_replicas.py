@@ -19,12 +19,18 @@ import subprocess
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 from tests.support import gloo_peer
 from tests.support.helpers import cpu_env
-from tests.support.launch_util import REPO, Launch, losses, nonfinite_checkpoints, train_cmd
+from tests.support.launch_util import (
+    REPO,
+    Launch,
+    losses,
+    nonfinite_checkpoints,
+    run_processes,
+    train_cmd,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,18 +40,6 @@ WAIT = 600
 
 def _lines(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-
-
-def _workers(run_dir) -> list[int]:
-    """PIDs of live processes whose environment names `run_dir` (a job's workers)."""
-    target, out = os.path.abspath(run_dir), []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("JAXPAR_RUN_DIR") == target and p.status() != "zombie":
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
 
 
 def _wait_for(run: Launch, ok, what: str) -> list[dict]:
@@ -82,9 +76,9 @@ def test_groups_equal_data_parallel_survive_a_killed_group_and_the_leaders_loss(
         os.kill(run.proc.pid, signal.SIGKILL)
         run.proc.wait(timeout=60)
         deadline = time.time() + 30  # every worker dies with its supervisor
-        while _workers(run.run_dir) and time.time() < deadline:
+        while run_processes(run.run_dir) and time.time() < deadline:
             time.sleep(0.2)
-        assert _workers(run.run_dir) == []
+        assert run_processes(run.run_dir) == []
     finally:
         run.close()
     # without failures: plain data parallelism within 1e-5

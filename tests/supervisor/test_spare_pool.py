@@ -11,14 +11,15 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from jaxpar.supervisor.spare_pool import SparePool
-from tests.support.helpers import cpu_env
+from tests.support.helpers import cpu_env, run
 
 SCRIPT = """
-import atexit, json, os, sys, threading, time
+import atexit, json, os, signal, sys, threading, time
 mode, out = sys.argv[1], sys.argv[2]
 def record(**kw):
     with open(out, "a") as f:
@@ -38,6 +39,11 @@ if mode == "thread":  # a non-daemon thread outlives the main one: the exit wait
     sys.exit(0)
 if mode == "sleep":
     time.sleep(600)
+if mode == "state":  # what it holds of whoever forked its pool
+    record(fds=sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+           sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, wakeup=signal.set_wakeup_fd(-1),
+           sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+           path0=sys.path[0], cwd=os.getcwd())
 if mode == "spin":  # some CPU, and a line on each stream
     while time.process_time() < 0.3:
         pass
@@ -146,3 +152,55 @@ def test_device_ids_of_a_slot_do_not_refuse_and_workers_die_with_the_pool(pool):
     else:
         raise AssertionError(f"worker {w.pid} outlived its pool")
     assert pool.fork(pool.env, [sys.executable, pool.script, "code", str(out)], os.devnull) is None
+
+
+# A supervisor that holds jaxpar's imports (as one forked from a pool does): its descriptors,
+# signal handlers, wake-up fd and atexit functions are its own; the pool it forks has none of them.
+SUPERVISOR = """
+import atexit, json, os, signal, socket, sys
+from jaxpar.worker import spare
+spare.preload(None)
+from jaxpar.supervisor.spare_pool import SparePool
+script, out, log = sys.argv[1:]
+r, w = socket.socketpair()
+w.setblocking(False)
+# numbered apart from what a process opens first (e.g. the worker's listing of its fds)
+held = [os.dup2(os.open(out + ".held", os.O_WRONLY | os.O_CREAT), 40), os.dup2(r.fileno(), 41),
+        os.dup2(w.fileno(), 42)]
+signal.set_wakeup_fd(42, warn_on_full_buffer=False)
+signal.signal(signal.SIGTERM, lambda *a: None)
+atexit.register(lambda: open(out + ".atexit", "a").write(f"{os.getpid()}\\n"))
+env = dict(os.environ, JAXPAR_SUPERVISOR_PID=str(os.getpid()), POOL_TEST="state")
+with open(log, "ab") as f:
+    pool = SparePool(env, f"script:{script}", f, fork_self=True)
+worker = pool.fork(env, [sys.executable, script, "state", out], log)
+code = worker.wait(120)
+pool.close()
+print(json.dumps({"pid": os.getpid(), "code": code, "pool": pool.proc.pid, "pool_code": pool.proc.returncode,
+                  "held": held, "worker": worker.pid}))
+"""
+
+
+def test_a_supervisor_holding_the_imports_forks_its_pool_and_passes_on_nothing_else(tmp_path):
+    script, out, log = tmp_path / "worker.py", tmp_path / "state.jsonl", tmp_path / "pool.log"
+    script.write_text(SCRIPT)
+    env = cpu_env(devices=None)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = run([sys.executable, "-c", SUPERVISOR, str(script), str(out), str(log)], env=env,
+               cwd=tmp_path, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["code"] == 0 and got["pool_code"] == 0, log.read_text()
+    assert f"spare pool {got['pool']}: ready (forked from the supervisor's imports)" in (
+        log.read_text()
+    )
+    state = {k: v for record in _records(out) for k, v in record.items()}
+    assert state["ppid"] == got["pool"] and state["pid"] == got["worker"]
+    # none of the supervisor's descriptors (its file, its wake-up socket pair) nor the pool's
+    # pipes: 0, 1, 2 and what the interpreter itself opens
+    assert not set(got["held"]) & set(state["fds"]), (got, state)
+    assert state["fds"][:3] == [0, 1, 2] and len(state["fds"]) <= 5, state
+    assert state["sigterm"] and state["sigint"] and state["wakeup"] == -1
+    assert state["path0"] == state["cwd"] == str(tmp_path)  # as `python -m` has it
+    # the supervisor's atexit function ran once, in the supervisor
+    assert (tmp_path / "state.jsonl.atexit").read_text().split() == [str(got["pid"])]

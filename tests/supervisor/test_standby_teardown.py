@@ -11,29 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.support.launch_util import Launch, train_cmd  # noqa: E402
+from tests.support.launch_util import Launch, run_processes, train_cmd  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WAIT = 600
 ARGS = ["--nproc", "2", "--devices-per-proc", "2", "--standby"]
-
-
-def _standby_pids(run_dir: Path) -> list[int]:
-    target, out = os.path.abspath(run_dir), []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            env = p.environ()
-            if env.get("JAXPAR_RUN_DIR") == target and env.get("JAXPAR_STANDBY") == "1":
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
 
 
 def _descendants(pid: int) -> set[int]:
@@ -49,7 +36,7 @@ def _wait_for_standby(run: Launch, timeout: float = WAIT) -> set[int]:
     seen: set[int] = set()
     while time.time() < deadline:
         seen |= _descendants(run.proc.pid)
-        standby = _standby_pids(run.run_dir)
+        standby = [p.pid for p in run_processes(run.run_dir, standby=True)]
         if len(standby) == 2:
             return seen | set(standby)
         if run.proc.poll() is not None:
@@ -80,6 +67,9 @@ def test_normal_finish_releases_the_standby_group(tmp_path):
     run = _run(tmp_path, [], 10, ["slow@2:process=0:seconds=2"])
     try:
         pids = _wait_for_standby(run)
+        # forked from the host's spare pool, as the group's workers are (imports paid once)
+        standby = run_processes(run.run_dir, standby=True)
+        assert {p.parent().cmdline()[-1] for p in standby} == {"--pool"}, standby
         assert run.wait(WAIT) == 0, run.output()
         assert not _gone(pids), f"still running after the job finished: {_gone(pids)}"
     finally:
@@ -113,9 +103,10 @@ def test_supervisor_sigterm_releases_the_standby_group(tmp_path):
 
 
 def test_a_standby_workers_output_leaves_no_file_behind(tmp_path, monkeypatch):
-    """Its output before "go" is in a file unlinked at once: copied into the worker's log on
-    "go" and into logs/ when kept, and nothing is left in the temporary directory even if the
-    supervisor is killed (no cleanup runs)."""
+    """Its channels and its output before "go" are in a temporary directory of its own, emptied
+    and removed once it is ready (it holds them open): the output is copied into the worker's
+    log on "go" and into logs/ when kept, and nothing is left even if the supervisor is then
+    killed (no cleanup runs)."""
     import sys
     import tempfile
 
@@ -124,20 +115,25 @@ def test_a_standby_workers_output_leaves_no_file_behind(tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    s = Standby({"incarnation": 3})
-    code = "import sys; print('warming up', flush=True); sys.stdin.read()"
-    s.spawn(5, [sys.executable, "-c", code], dict(os.environ))
-    assert os.listdir(tmp) == []
+    s = Standby({"incarnation": 3}, str(tmp_path / "run"))
+    code = ("from jaxpar.worker import standby; print('warming up', flush=True); "
+            "standby.wait_for_go(); print('went', flush=True)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+    s.spawn(5, [sys.executable, "-c", code], env)
+    (made,) = os.listdir(tmp)
+    assert made.startswith("jaxpar-standby-")
     deadline = time.time() + 60
-    while b"warming up" not in s.output(5):
-        assert time.time() < deadline, s.output(5)
+    while not s.ready():
+        assert time.time() < deadline and not s.failed(), s.output(5)
         time.sleep(0.05)
+    assert os.listdir(tmp) == []
+    assert s.output(5) == b"warming up\n"
     logs = tmp_path / "logs"
     logs.mkdir()
     assert s.keep_logs(str(logs)) == [str(logs / "standby-inc3-proc5.log")]
     assert (logs / "standby-inc3-proc5.log").read_bytes() == b"warming up\n"
     s.go(5, str(tmp_path / "worker.log"), lambda p: open(p, "ab"))
-    assert (tmp_path / "worker.log").read_bytes() == b"warming up\n"
     assert s.procs[5].wait(timeout=60) == 0
+    assert (tmp_path / "worker.log").read_bytes() == b"warming up\nwent\n"
     s.release()
     assert os.listdir(tmp) == [] and s.tmp_logs == {}

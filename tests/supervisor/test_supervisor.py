@@ -122,7 +122,11 @@ def test_restart_budget_exhausted_keeps_checkpoints(tmp_path):
 
 
 def test_permanent_loss_shrinks_4_to_2(tmp_path, reference):
-    run = _launch(tmp_path, "--min-nproc", "2", "--fault", "kill@6:process=3:permanent")
+    # step 4's checkpoint saved synchronously: committed before the kill at step 6 whatever the
+    # machine's load (an asynchronous commit still in flight is rightly not restored)
+    run = Launch(tmp_path / "run", [*NPROC, "--min-nproc", "2", "--fault",
+                 "kill@6:process=3:permanent"],
+                 train_cmd(STEPS, EVERY, "--set", "ckpt.use_async=false"))  # fmt: skip
     try:
         assert run.wait(WAIT) == 0, run.output()
     finally:

@@ -32,7 +32,7 @@ from jaxpar.worker import spare as spare_lib
 
 FORK_ENV = "JAXPAR_TEST_FORK"
 MODULES = ("train", "jaxpar.cli")  # what the pool runs: jaxpar's own command lines
-MAX_POOLS = 2  # per test process (each holds jax and jaxpar imported: ~300 MB)
+MAX_POOLS = 3  # per test process (each holds jax and jaxpar imported: ~300 MB)
 
 _pools: dict[tuple, SparePool] = {}  # used from the main thread only (see forkable)
 _logs = tempfile.mkdtemp(prefix="jaxpar-test-fork-")

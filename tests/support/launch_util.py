@@ -6,6 +6,7 @@ every worker whose environment names the run directory (by PID), whatever happen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,8 @@ from pathlib import Path
 import psutil
 
 from jaxpar.rundir.runlog import read_jsonl
+from jaxpar.supervisor.standby_group import dir_prefix
+from tests.support import forkserver
 from tests.support.helpers import SMALL, cpu_env, losses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,11 +117,17 @@ class Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = Path(log_dir or self.run_dir.parent) / f"{self.run_dir.name}.{name}.log"
         cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--run-dir", str(run_dir), *args]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "--", *command], cwd=REPO, env=env or clean_env(), stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+        # forked from the tests' pool (tests/support/forkserver.py) where it can be: a
+        # supervisor that holds jax's imports forks its own spare pool too
+        env = env or clean_env()
+        self.log.write_bytes(b"")
+        self.proc = forkserver.start([*cmd, "--", *command], env, str(self.log), REPO)
+        if self.proc is None:
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [*cmd, "--", *command], cwd=REPO, env=env, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
 
     def wait(self, timeout: float) -> int:
         try:
@@ -178,15 +187,47 @@ def nonfinite_checkpoints(run_dir: Path) -> dict[int, int]:
     return out
 
 
-def kill_workers(run_dir: Path) -> list[int]:
-    """SIGKILL every process whose environment has JAXPAR_RUN_DIR=run_dir; returns their PIDs."""
-    target = os.path.abspath(run_dir)
-    killed = []
+def run_processes(run_dir: Path, standby: bool = False) -> list[psutil.Process]:
+    """The live processes of a job (its workers, spares, standbys, pools): those started with
+    JAXPAR_RUN_DIR=run_dir in their environment, or whose stdout or stderr is a file under
+    run_dir or a standby's output (a process forked from a pool keeps the pool's start-up
+    environment in /proc but writes to its own log). `standby`: its waiting standby workers
+    only (their output still in the standby directory)."""
+    target, out = os.path.abspath(run_dir), []
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.environ().get("JAXPAR_RUN_DIR") == target and p.pid != os.getpid():
-                p.kill()
-                killed.append(p.pid)
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            writes = _writes(p.pid)
+            waiting = any(os.sep + dir_prefix(target) in link for link in writes)
+            if standby:
+                if waiting:
+                    out.append(p)
+            elif (
+                waiting
+                or p.environ().get("JAXPAR_RUN_DIR") == target
+                or any(link.startswith(target + os.sep) for link in writes)
+            ):
+                out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    return out
+
+
+def _writes(pid: int) -> list[str]:
+    """What `pid`'s stdout and stderr are (the paths of their files)."""
+    links = []
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return links
+
+
+def kill_workers(run_dir: Path) -> list[int]:
+    """SIGKILL every process of the job in `run_dir` (run_processes); returns their PIDs."""
+    killed = []
+    for p in run_processes(run_dir):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+            killed.append(p.pid)
     return killed

@@ -70,41 +70,51 @@ manager.close()
 
 
 def _child(tmp_path, env_extra, code=STANDBY_CHILD, args=()):
-    r, w = os.pipe()
-    env = {**os.environ, "JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_FD": str(w), **env_extra}
+    """A standby child: (its Popen, the ready pipe's read end, the go pipe's write end), both
+    named pipes in a directory of their own, as the supervisor makes them."""
+    chan = tmp_path.parent / f"{tmp_path.name}-channel"
+    chan.mkdir()
+    os.mkfifo(chan / "ready")
+    os.mkfifo(chan / "go")
+    r = os.open(chan / "ready", os.O_RDWR)
+    g = os.open(chan / "go", os.O_RDWR)
+    env = {**os.environ, "JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_READY": str(chan / "ready"),
+           "JAXPAR_STANDBY_GO": str(chan / "go"), **env_extra}  # fmt: skip
     env.pop("JAXPAR_RUN_DIR", None)
-    p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, pass_fds=(w,))  # fmt: skip
-    os.close(w)
-    return p, r
+    p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE)  # fmt: skip
+    return p, r, g
 
 
 def test_standby_reports_ready_then_goes_on_in_the_log(tmp_path):
-    p, r = _child(tmp_path, {})
+    p, r, g = _child(tmp_path, {})
     try:
         assert os.read(r, 64) == b"ready\n"
         log = tmp_path / "worker.log"
-        p.stdin.write(f'{{"log": "{log}"}}\n'.encode())
-        p.stdin.close()
+        os.write(g, f'{{"log": "{log}"}}\n'.encode())
         assert p.wait(timeout=120) == 0
         assert log.read_text() == "went standby False None\n"  # its output moved to the worker log
         assert p.stdout.read() == b""
     finally:
         os.close(r)
+        os.close(g)
         p.kill()
         p.wait()
 
 
 def test_released_standby_exits_0_writing_nothing(tmp_path):
-    p, r = _child(tmp_path, {})
+    p, r, g = _child(tmp_path, {})
     try:
         assert os.read(r, 64) == b"ready\n"
-        p.stdin.close()  # end of input: released
+        os.close(g)  # end of input: released
+        g = None
         assert p.wait(timeout=120) == 0
         assert p.stdout.read() == b""
         assert list(tmp_path.iterdir()) == []
     finally:
         os.close(r)
+        if g is not None:
+            os.close(g)
         p.kill()
         p.wait()
 
@@ -132,19 +142,19 @@ def test_compile_cache_read_only_writes_nothing_until_configured_again(tmp_path)
 
 def test_own_loop_waits_at_its_first_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    p, r = _child(tmp_path, {}, OWN_LOOP_CHILD, [str(run_dir)])
+    p, r, g = _child(tmp_path, {}, OWN_LOOP_CHILD, [str(run_dir)])
     try:
         assert os.read(r, 64) == b"ready\n"
         assert not run_dir.exists()  # waiting: nothing written
         log = tmp_path / "w.log"
-        p.stdin.write(f'{{"log": "{log}"}}\n'.encode())
-        p.stdin.close()
+        os.write(g, f'{{"log": "{log}"}}\n'.encode())
         assert p.wait(timeout=120) == 0
         # (orbax's signalling thread may log an error at interpreter exit after it: not ours)
         assert log.read_text().startswith("wrote\n")
         assert "start" in (run_dir / "events.jsonl").read_text()
     finally:
         os.close(r)
+        os.close(g)
         p.kill()
         p.wait()
 
@@ -153,7 +163,9 @@ def test_start_role_is_what_the_supervisor_set():
     """Read once from the spawn environment; a spare is told by the supervisor's hand-over."""
     assert standby.StartRole.from_environment({}) == standby.StartRole("cold")
     assert standby.StartRole.from_environment({"JAXPAR_START_PATH": "spare"}).path == "spare"
-    role = standby.StartRole.from_environment({"JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_FD": "7"})
-    assert (role.path, role.waiting, role.ready_fd) == ("standby", True, 7)
+    role = standby.StartRole.from_environment(
+        {"JAXPAR_STANDBY": "1", "JAXPAR_STANDBY_READY": "/r", "JAXPAR_STANDBY_GO": "/g"}
+    )
+    assert (role.path, role.waiting, role.ready_path, role.go_path) == ("standby", True, "/r", "/g")
     role.waiting = False
     role.wait_for_go()  # gone already: returns at once, reads nothing

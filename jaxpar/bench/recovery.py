@@ -28,7 +28,7 @@ from jaxpar.bench.harness import Bench, table
 from jaxpar.rundir import runlog
 from jaxpar.rundir.goodput import ledger_of
 from jaxpar.rundir.runlog import PHASES, SupervisorEvent, WorkerEvent, read_jsonl
-from jaxpar.supervisor import standby_group
+from jaxpar.worker import standby as standby_lib
 
 DEVICES = 2  # CPU devices per process
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -166,7 +166,7 @@ class _StandbyMemory:
         standby = group = 0
         # a waiting standby worker writes to its standby directory (its environment in /proc is
         # its spare pool's when it was forked from one)
-        waiting = os.sep + standby_group.dir_prefix(self.job.run_dir)
+        waiting = os.sep + standby_lib.dir_prefix(self.job.run_dir)
         for p in psutil.Process(self.job.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error, OSError):
                 rss = p.memory_info().rss

@@ -4,7 +4,6 @@ environment that wait for "go", so a failed group is replaced without a start-up
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -17,13 +16,6 @@ from jaxpar.supervisor.spare_pool import ForkedWorker, SparePool
 from jaxpar.worker import standby as standby_lib
 
 
-def dir_prefix(run_dir: str) -> str:
-    """The prefix of the temporary directory of a standby group of the run in `run_dir`: its
-    workers' output before "go" is there (their stdout and stderr name it)."""
-    digest = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
-    return f"jaxpar-standby-{digest}-"
-
-
 class Standby:
     """One host's standby workers (jaxpar/worker/standby.py): started with their final environment and
     JAXPAR_STANDBY=1 (forked from the host's spare pool where it can, else started); each reports
@@ -34,10 +26,10 @@ class Standby:
         self.pool = pool  # forks the workers (None, or refused: they are started cold)
         self.procs: dict[int, subprocess.Popen | ForkedWorker] = {}
         # the named pipes and output files, in a directory only this user reads, named after
-        # the run (dir_prefix); its names are removed as soon as the workers hold them open
+        # the run (standby.dir_prefix); its names are removed as soon as the workers hold them open
         # (what is left if this supervisor is killed before they do: a few empty pipes and the
         # output so far), the directory once every worker is ready, and at release
-        self.dir = tempfile.mkdtemp(prefix=dir_prefix(run_dir))
+        self.dir = tempfile.mkdtemp(prefix=standby_lib.dir_prefix(run_dir))
         self.ready_fds: dict[int, int] = {}  # read ends (opened read-write: never an EOF)
         self.go_fds: dict[int, int] = {}  # write ends (closed: the worker is released)
         self.is_ready: set[int] = set()

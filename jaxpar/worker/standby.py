@@ -30,6 +30,7 @@ spawned the process (`role()`): `wait_for_go` changes that object, never the env
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -97,6 +98,14 @@ class StartRole:
         spare.redirect(msg["log"])  # stdout/stderr to the worker log, stdin from /dev/null
         self.waiting = False
         bootstrap.install_stack_dump()  # now that the run directory may be written
+
+
+def dir_prefix(run_dir: str) -> str:
+    """The name prefix of the supervisor's private directory for the standby workers of the run
+    in `run_dir` (in the temporary directory): a waiting standby's stdout and stderr are a file
+    there."""
+    digest = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+    return f"jaxpar-standby-{digest}-"
 
 
 _ROLE: list[StartRole] = []  # this process's role, read from its environment on first use

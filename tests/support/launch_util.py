@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from jaxpar.rundir.runlog import read_jsonl
-from jaxpar.supervisor.standby_group import dir_prefix
+from jaxpar.worker.standby import dir_prefix
 from tests.support import forkserver
 from tests.support.helpers import SMALL, cpu_env, losses
 

@@ -247,13 +247,15 @@ def _local_hash_program(leaves: list, mesh) -> Callable:
 
 
 _PROGRAMS: dict = {}
+_PROGRAMS_LOCK = threading.Lock()  # warmed up in the compile thread, used in the main one
 
 
 def _program_for(leaves: list):
     key = tuple((tuple(x.shape), str(x.dtype), x.sharding) for x in leaves)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _local_hash_program(leaves, leaves[0].sharding.mesh)
-    return _PROGRAMS[key]
+    with _PROGRAMS_LOCK:
+        if key not in _PROGRAMS:
+            _PROGRAMS[key] = _local_hash_program(leaves, leaves[0].sharding.mesh)
+        return _PROGRAMS[key]
 
 
 class _Hashes:

@@ -224,6 +224,7 @@ class LocalTier:
         self.process = jax.process_index()
         self.nproc = jax.process_count()
         self.paths, self.blocks, digest = layout(abstract_state)
+        self._crcs: dict[str, int] = {}  # the last state _load returned: each block's CRC
         self.nbytes = sum(b.nbytes for b in self.blocks)
         self.every = plan_every(every, self.nbytes)
         # UnsafeFolder (a ValueError: one line, exit 2); another user's default root: our own
@@ -486,14 +487,17 @@ class LocalTier:
             if step < floor:
                 break
             got, source, why = self._load(step, own)
+            # each block's CRC as written: the replica check of the restored state, with no
+            # program to run (blocks of the same index on two processes are replicas)
+            crcs = self._crcs if got is not None else {}
             results = exchange(f"restore/{step}", {"ok": got is not None, "source": source,
-                                                   "why": why})  # fmt: skip
+                                                   "why": why, "crcs": crcs})  # fmt: skip
             if all(r["ok"] for r in results):
                 fetched = [q for q, r in enumerate(results) if r["source"] == "peer"]
                 self._prev = step
                 self.forget_except(step)
                 info = {"step": step, "tier": "peer" if fetched else "local", "fetched": fetched,
-                        "skipped": skipped}  # fmt: skip
+                        "skipped": skipped, "replicas_differ": self._replicas_differ(results)}  # fmt: skip
                 return got, info
             bad = {q: r["why"] for q, r in enumerate(results) if not r["ok"]}
             self.run.event(WorkerEvent.SNAPSHOT_REJECTED, step=step, tier="local", processes=bad)
@@ -507,8 +511,26 @@ class LocalTier:
                 self.fallback["unusable"] = unusable
         return None
 
+    def _replicas_differ(self, results: list[dict]) -> list[str]:
+        """Paths of the leaves whose copies of one block differ between processes (by the CRCs
+        each process's snapshot recorded for it)."""
+        seen: dict[str, int] = {}
+        bad: set[str] = set()
+        for r in results:
+            crcs = r.get("crcs")
+            for key, crc in crcs.items() if isinstance(crcs, dict) else ():
+                if seen.setdefault(key, crc) != crc:
+                    leaf = key.partition(":")[0]
+                    bad.add(
+                        self.paths[int(leaf)]
+                        if leaf.isdigit() and int(leaf) < len(self.paths)
+                        else leaf
+                    )
+        return sorted(bad)
+
     def _load(self, step: int, own: dict[int, int]) -> tuple[dict | None, str, str]:
-        """(state, "local" | "peer", why-not) for `step` on this process."""
+        """(state, "local" | "peer", why-not) for `step` on this process; the CRC of each block
+        of the state returned in `self._crcs` ("LEAF:INDEX" -> CRC)."""
         if step in own:
             try:
                 data = load_bytes(os.path.join(self.own.dirs[own[step]], DATA))
@@ -540,6 +562,8 @@ class LocalTier:
             if bad:
                 return None, source, f"CRC mismatch in blocks {bad[:10]}"
             return None, source, "MAC mismatch: not written by this user's jaxpar"
+        self._crcs = {f"{b.leaf}:{list(b.index)}": e.get("crc")
+                      for b, e in zip(self.blocks, marker["blocks"], strict=True)}  # fmt: skip
         return self._assemble(marker, data), source, ""
 
     def _assemble(self, marker: dict, data: bytearray) -> dict:

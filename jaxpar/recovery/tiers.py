@@ -81,7 +81,12 @@ class Tier(Protocol):
     def save(self, step: int, state: dict) -> None: ...
 
     def warm_up(self) -> None:
-        """Compile what saving needs (runs beside the step's compilation and the restore)."""
+        """Compile what saving needs soon (runs beside the step's compilation and the restore;
+        the first step waits for it)."""
+
+    def warm_behind(self) -> None:
+        """Compile what saving needs later (runs in the background once the steps have begun:
+        nothing waits for it but the save that uses it)."""
 
     def ready(self) -> None:
         """Warmed up, before the first step: say so (an event) if the tier has anything to say."""
@@ -126,8 +131,6 @@ class PersistentTier:
             use_async=cfg.ckpt.use_async, before_commit=setup.before_commit,
             tidy=setup.tidy_checkpoints,
         )  # fmt: skip
-        # compile the checksums now, not in the first save
-        self.checkpointer.warm_up(setup.abstract_state)
 
     def newest_step(self) -> int | None:
         if self.setup.cfg.ckpt.restore != "latest":
@@ -193,7 +196,13 @@ class PersistentTier:
         pass
 
     def warm_up(self) -> None:
-        pass  # the checksum program is compiled at construction, before the restore reads
+        pass
+
+    def warm_behind(self) -> None:
+        # the checksum program compiled (or loaded) while the first steps run: not in a
+        # restart's way (a restore from this tier that checks its replicas compiles it first),
+        # nor in the first save's unless that comes before it is ready (the save then waits)
+        self.checkpointer.warm_up(self.setup.abstract_state)
 
     def ready(self) -> None:
         pass
@@ -238,7 +247,7 @@ class LocalSnapshotTier:
             self.fallback = tier.fallback
             return None
         state, info = got
-        if replica_mismatches(state, s.mesh):
+        if info["replicas_differ"]:  # (compared by the tier: each block's CRC on every process)
             s.run.event(WorkerEvent.SNAPSHOT_REJECTED, step=info["step"], tier=info["tier"],
                         reason="data-parallel replicas differ")  # fmt: skip
             attempt.rejected += [*info["skipped"], info["step"]]
@@ -281,7 +290,10 @@ class LocalSnapshotTier:
             say(f"warning: no local snapshot usable ({'; '.join(why)}); restarting from {to}")
 
     def warm_up(self) -> None:
-        self.snapshots.warm_up()  # the on-device copy program
+        self.snapshots.warm_up()  # the on-device copy program (a snapshot may follow step 1)
+
+    def warm_behind(self) -> None:
+        pass
 
     def ready(self) -> None:
         self.setup.run.event(WorkerEvent.LOCAL_TIER, **self.snapshots.describe())

@@ -651,6 +651,8 @@ def restore_and_compile(
     s.run.event(
         WorkerEvent.COMPILED, seconds=seconds, ahead=early is not None, **compile_cache.stats()
     )
+    for t in tiers:  # what saving needs later: compiled behind the first steps
+        pool.submit(t.warm_behind)
     return state, compiled
 
 

@@ -200,3 +200,18 @@ def test_a_state_holding_a_nan_is_never_snapshotted(tmp_path):
     again.close()
     assert info["step"] == 1
     _same(state, good)
+
+
+def test_replicas_are_compared_by_the_crcs_each_process_recorded():
+    """The restore's replica check: blocks of the same leaf and index on two processes are
+    copies of one shard; their CRCs (recorded when the snapshot was written) must agree."""
+    tier = local_tier.LocalTier.__new__(local_tier.LocalTier)
+    tier.paths = ["['params']['w']", "['params']['b']", "['step']"]
+    same = {"0:[[0, 4]]": 11, "1:[[0, 2]]": 22, "2:[]": 5}
+    other_shard = {"0:[[4, 8]]": 99, "1:[[0, 2]]": 22, "2:[]": 5}  # w sharded: no copy of [0,4]
+    assert tier._replicas_differ([{"crcs": same}, {"crcs": other_shard}]) == []
+    diverged = {**same, "1:[[0, 2]]": 23}
+    got = tier._replicas_differ([{"crcs": same}, {"crcs": other_shard}, {"crcs": diverged}])
+    assert got == ["['params']['b']"]
+    # what a peer sent that is not a map of CRCs compares nothing (its load said ok or not)
+    assert tier._replicas_differ([{"crcs": same}, {"crcs": None}, {}]) == []

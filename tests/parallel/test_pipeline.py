@@ -349,16 +349,17 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
     """Checkpoints hold the layer-major layout: pipelined -> unpipelined -> pipelined resumes."""
     from jaxpar.worker.training import run
 
-    def go(layout, steps, run_dir):
+    def go(layout, steps, run_dir, every=50):
+        # a run saves its last step only, the reference nothing; no RAM snapshots
         cfg = tiny(4, "circular", 2, 2, steps=steps)
-        cfg = dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, every=2))
-        run(cfg, jp.preset(layout), str(run_dir), progress=False)
+        ckpt = dataclasses.replace(cfg.ckpt, every=every, local_every=0)
+        run(dataclasses.replace(cfg, ckpt=ckpt), jp.preset(layout), str(run_dir), progress=False)
 
     shared, ref = tmp_path / "shared", tmp_path / "ref"
     go("dp4_pp2", 2, shared)  # pipelined (circular: stage-major inside the step) writes step 2
     go("dp8", 4, shared)  # unpipelined restores it and writes step 4
     go("dp4_pp2", 5, shared)  # pipelined restores that
-    go("dp8", 5, ref)  # uninterrupted and unpipelined
+    go("dp8", 5, ref, every=0)  # uninterrupted and unpipelined
     pp, dp = "data=4,fsdp=1,tensor=1,pipeline=2", "data=8,fsdp=1,tensor=1,pipeline=1"
     assert _restores(shared) == [(2, pp, dp), (4, dp, pp)]
     got, want = _losses(shared), _losses(ref)
@@ -375,13 +376,15 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
     within 1e-6."""
     from jaxpar.worker.training import run
 
-    def go(layout, schedule, steps, run_dir, split=""):
+    def go(layout, schedule, steps, run_dir, split="", every=50):
+        # each run of the chain saves its last step only (all the next one restores), the
+        # reference nothing; no RAM snapshots (the chain crosses layouts: restores are persistent)
         cfg = tiny(6, schedule, 4, steps=steps, split=split)
-        cfg = dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, every=1))
-        run(cfg, jp.preset(layout), str(run_dir), progress=False)
+        ckpt = dataclasses.replace(cfg.ckpt, every=every, local_every=0)
+        run(dataclasses.replace(cfg, ckpt=ckpt), jp.preset(layout), str(run_dir), progress=False)
         return _losses(run_dir)
 
-    ref = go("dp4_pp2", "gpipe", 5, tmp_path / "ref")  # uninterrupted
+    ref = go("dp4_pp2", "gpipe", 5, tmp_path / "ref", every=0)  # uninterrupted
     chain = tmp_path / "chain"
     go("dp4_pp2", "gpipe", 2, chain)
     assert go("dp4_pp2", "gpipe", 3, chain)[3] == ref[3]  # restores step 2: the same schedule

@@ -70,11 +70,17 @@ def optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, Callable 
     return tx, None
 
 
+def decay_horizon(cfg: OptimConfig, total_steps: int) -> int:
+    """The step the learning rate's cosine decay ends at: optim.decay_steps, else the run's
+    length (the one way a run's length reaches its train step)."""
+    return cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
+
+
 def make_optimizer(
     cfg: OptimConfig, total_steps: int
 ) -> tuple[optax.GradientTransformation, Callable]:
     """optax chain: global-norm clipping, then adamw (or sgd) on a warmup + cosine schedule."""
-    decay = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
+    decay = decay_horizon(cfg, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, decay, end_value=cfg.lr * cfg.min_lr_ratio
     )

@@ -28,7 +28,7 @@ from jaxpar.data import sources as data_lib
 from jaxpar.engine.losses import VECTOR_METRICS
 from jaxpar.engine.mesh import MeshSpec, make_mesh
 from jaxpar.engine.rules import Preset, validate_rules
-from jaxpar.parallel.program import Program, build_program, code_digest
+from jaxpar.parallel.program import Program, build_program, code_digest, decay_horizon
 from jaxpar.recovery import compile_cache
 from jaxpar.recovery.checkpoint import (
     Checkpointer,
@@ -258,12 +258,28 @@ def step_parts(s: Session, batch: dict) -> tuple | None:
     leaves = [(a.shape, str(a.dtype), repr(a.sharding)) for a in
               jax.tree.leaves((s.program.abstract_state, batch))]  # fmt: skip
     return (
-        "train_step", json.dumps(to_dict(cfg), sort_keys=True, default=repr), repr(s.preset),
+        "train_step", json.dumps(program_config(cfg), sort_keys=True, default=repr), repr(s.preset),
         str(s.source.kind), repr(jax.tree.structure((s.program.abstract_state, batch))),
         repr(leaves), repr([d.id for d in s.mesh.devices.flat]), code_digest(),
         flax.__version__, optax.__version__, np.__version__,
         repr(sorted(jax.config.values.items())),
     )  # fmt: skip
+
+
+# Config sections and loop fields that never reach the train step's program: a run extended with
+# --steps, or rerun with other checkpoint, log or evaluation settings, loads its compiled step.
+_NOT_IN_STEP = ("name", "log", "ckpt", "run")
+_LOOP_NOT_IN_STEP = ("steps", "eval_every", "eval_batches")
+
+
+def program_config(cfg: TrainConfig) -> dict:
+    """The part of `cfg` that fixes a built-in train step (step_parts' key): the config without
+    the sections and loop fields that never reach it, and with `train.steps` replaced by what
+    it does reach, the learning-rate schedule's decay horizon (make_optimizer's)."""
+    d = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_STEP}
+    d["train"] = {k: v for k, v in d["train"].items() if k not in _LOOP_NOT_IN_STEP}
+    d["train"]["decay_horizon"] = decay_horizon(cfg.optim, cfg.train.steps)
+    return d
 
 
 def eval_program(s: Session):

@@ -27,11 +27,12 @@ def with_comm(cfg, steps, **comm):
 
 
 def run_losses(jp, cfg, layout: str, built=None, steps=None) -> tuple[list[float], object]:
-    """cfg.train.steps steps (and DiLoCo's outer steps) from the program's init: (losses, state).
-    `built` and `steps` (its (train, sync) steps, compiled already): the program a test built."""
+    """cfg.train.steps steps (and DiLoCo's outer steps) from the config's initial state:
+    (losses, state). `built` and `steps` (its (train, sync) steps, compiled already): the
+    program a test built."""
     b = built or jp.build(cfg, layout)
     train_step, sync_step = steps or (b.program.train_step, b.program.sync_step)
-    state = b.program.init()
+    state = jp.initial_state(b)
     losses = []
     for step in range(cfg.train.steps):
         state, m = train_step(state, jp.device_batch(b, step))

@@ -44,6 +44,19 @@ def test_reference_run_is_a_real_training_run(reference_run):
     assert total == pytest.approx(ref.grad_norms[0], rel=1e-5)
 
 
+def test_initial_state_is_the_same_on_every_layout(compiled, jp):
+    """The premise of programs.initial_state (one init per config, copied onto later layouts):
+    the program's own init on a tensor-parallel and a pipelined layout is bitwise the
+    one-device init."""
+    one = jax.device_get(jp.initial_state(compiled("gpt_tiny", "cpu1").built))
+    for layout in ("dp2_fsdp2_tp2", "dp4_pp2"):
+        got = jax.device_get(jp.build(jp.recipe("gpt_tiny"), layout).program.init())
+        assert jax.tree.structure(got) == jax.tree.structure(one), layout
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(one),
+                                strict=True):  # fmt: skip
+            assert a.dtype == b.dtype and np.array_equal(a, b), (layout, path)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpt_tiny_matches_one_device(layout, runs, reference_run, jp):
     got, ref = runs("gpt_tiny", layout), reference_run

@@ -211,6 +211,22 @@ def test_train_step_key_covers_the_config_and_leaves_out_a_recipes_own_code():
     own_loss = dataclasses.replace(cfg, loss=lambda *a: 0.0)
     assert training.step_parts(dataclasses.replace(s, cfg=own_loss), batch) is None
 
+    def key(*sets: str) -> tuple:
+        return training.step_parts(dataclasses.replace(s, cfg=apply_overrides(cfg, sets)), batch)
+
+    # what never reaches the step leaves the key as it is: checkpoint, log and evaluation
+    # settings, and the run's length while the schedule's decay horizon stays (warmup + 1 here)
+    assert cfg.optim.decay_steps == 0 and cfg.optim.warmup_steps == 20
+    assert key("train.steps=7") == key("train.steps=21", "ckpt.every=3", "ckpt.local_every=0",
+                                       "log.every=5", "train.eval_every=2", "name=other")  # fmt: skip
+    # the run's length is the decay horizon past the warmup; an explicit horizon is not
+    assert key("train.steps=100") != key("train.steps=200")
+    assert key("train.steps=100", "optim.decay_steps=500") == key(
+        "train.steps=200", "optim.decay_steps=500"
+    )
+    assert key("train.microbatches=2") != parts and key("train.seed=1") != parts
+    assert key("train.steps=7") != key("train.steps=22")  # 22 > warmup + 1
+
 
 def test_spare_prebuilds_the_runs_model_from_its_config_json(tmp_path):
     """A spare builds the model of the run's config.json abstractly; the worker's build of an

@@ -155,7 +155,9 @@ def _run(cfg, layout, run_dir, steps):
     from jaxpar.rundir.runlog import last_per_step, read_jsonl
     from jaxpar.worker import training
 
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    # the test's runs share their compiled steps (runs of one layout differ in length only)
+    shared = dataclasses.replace(cfg.run, compile_cache_dir=str(run_dir.parent / "programs"))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps), run=shared)
     training.run(cfg, preset_of(layout), str(run_dir), progress=False)
     lines = last_per_step(read_jsonl(str(run_dir / "metrics.jsonl")))
     return [lines[k]["loss"] for k in sorted(lines)]

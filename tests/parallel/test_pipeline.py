@@ -235,13 +235,12 @@ def test_parity_with_remat(jp, reference, schedule, m):
 
 def _temps(jp, schedule: str, m: int) -> int:
     """Per-device temporaries of the compiled train step (XLA's memory analysis): gpt_tiny
-    with 8 layers on pipeline=4, four rows per microbatch (the batch grows with m)."""
+    (4 layers, one per stage) on pipeline=4, four rows per microbatch (the batch grows with m)."""
     from train.recipes import gpt_tiny
 
     base = gpt_tiny()
     cfg = dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, n_layers=8),
         data=dataclasses.replace(base.data, global_batch=4 * m),
         pipeline=PipelineConfig(schedule, m, 1),
     )
@@ -251,11 +250,12 @@ def _temps(jp, schedule: str, m: int) -> int:
 @pytest.mark.slow
 @WHOLE_STEPS
 def test_1f1b_memory_does_not_grow_with_microbatches(jp):
-    """m 4 -> 16: GPipe keeps every microbatch's residuals (temps x >= 2.5), 1F1B at most p."""
+    """m 4 -> 16: GPipe keeps every microbatch's residuals (temps x 2.5 measured), 1F1B at most
+    p (x 1.07)."""
     gpipe = _temps(jp, "gpipe", 16) / _temps(jp, "gpipe", 4)
     one = _temps(jp, "1f1b", 16) / _temps(jp, "1f1b", 4)
-    print(f"temps m=16 / m=4: gpipe {gpipe:.2f}, 1f1b {one:.3f}")
-    assert gpipe >= 2.5 and one <= 1.25
+    print(f"temps m=16 / m=4: gpipe {gpipe:.3f}, 1f1b {one:.3f}")
+    assert gpipe >= 2.25 and one <= 1.25
 
 
 def _share(reference, layers, tmp_path, monkeypatch) -> None:
@@ -343,6 +343,11 @@ def _restores(run_dir) -> list[tuple]:
     return [(e["step"], e["from_mesh"], e["to_mesh"]) for e in events if e["event"] == "restore"]
 
 
+def _shared_programs(cfg: TrainConfig, tmp_path) -> object:
+    """cfg.run with a compiled-program cache shared by the test's runs (run.compile_cache_dir)."""
+    return dataclasses.replace(cfg.run, compile_cache_dir=str(tmp_path / "programs"))
+
+
 @pytest.mark.slow
 @WHOLE_STEPS
 def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
@@ -350,10 +355,12 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
     from jaxpar.worker.training import run
 
     def go(layout, steps, run_dir, every=50):
-        # a run saves its last step only, the reference nothing; no RAM snapshots
+        # a run saves its last step only, the reference nothing; no RAM snapshots; the runs
+        # share their compiled steps (a layout's runs differ in length and saves only)
         cfg = tiny(4, "circular", 2, 2, steps=steps)
         ckpt = dataclasses.replace(cfg.ckpt, every=every, local_every=0)
-        run(dataclasses.replace(cfg, ckpt=ckpt), jp.preset(layout), str(run_dir), progress=False)
+        cfg = dataclasses.replace(cfg, ckpt=ckpt, run=_shared_programs(cfg, tmp_path))
+        run(cfg, jp.preset(layout), str(run_dir), progress=False)
 
     shared, ref = tmp_path / "shared", tmp_path / "ref"
     go("dp4_pp2", 2, shared)  # pipelined (circular: stage-major inside the step) writes step 2
@@ -381,7 +388,8 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
         # reference nothing; no RAM snapshots (the chain crosses layouts: restores are persistent)
         cfg = tiny(6, schedule, 4, steps=steps, split=split)
         ckpt = dataclasses.replace(cfg.ckpt, every=every, local_every=0)
-        run(dataclasses.replace(cfg, ckpt=ckpt), jp.preset(layout), str(run_dir), progress=False)
+        cfg = dataclasses.replace(cfg, ckpt=ckpt, run=_shared_programs(cfg, tmp_path))
+        run(cfg, jp.preset(layout), str(run_dir), progress=False)
         return _losses(run_dir)
 
     ref = go("dp4_pp2", "gpipe", 5, tmp_path / "ref", every=0)  # uninterrupted

@@ -177,15 +177,32 @@ class LocalGroup:
         """Spares on, and a command a spare can run."""
         return self.opts.spares and spare_lib.target_of(self.opts.command) is not None
 
+    def open_pool(self, spec: dict, env: dict | None = None) -> None:
+        """Start this host's spare pool for the workers of `spec` (a group's first start), unless
+        it runs or spares are off. A supervisor that holds the pool's imports forks it from
+        itself while it has no thread but the main one (spare_pool._fork_preloaded), so one
+        with threads to start (a replica group's hub) opens its pools first; only the
+        start-up variables of `spec`'s workers reach the pool, each worker gets its own."""
+        if self.pool is not None or not self._pool_wanted():
+            return
+        first = spec["process_ids"][0]
+        env = env or self._env(spec, first, 0)
+        with self._log(os.path.join(self.log_dir, f"spare-pool-proc{first}.log")) as log:
+            target = spare_lib.target_of(self.opts.command) or ""
+            self.pool = SparePool(env, target, log, fork_self=True)
+
+    def open_pool_early(self) -> None:
+        """`open_pool` before the first plan is known (a multi-node supervisor or agent, which
+        starts threads to meet its peers): a provisional plan gives the workers' start-up
+        variables, all the pool takes of it."""
+        self.open_pool({"coordinator": "", "bind": "", "nproc": self.opts.nproc,
+                        "process_ids": [0], "incarnation": 0, "collective_timeout": 0.0})  # fmt: skip
+
     def _fork(self, spec: dict, env: dict, path: str) -> ForkedWorker | None:
         """This worker forked from the pool (started with the job's first group), or None."""
+        self.open_pool(spec, env)
         if self.pool is None:
-            if not self._pool_wanted():
-                return None
-            name = f"spare-pool-proc{spec['process_ids'][0]}.log"
-            with self._log(os.path.join(self.log_dir, name)) as log:
-                target = spare_lib.target_of(self.opts.command) or ""
-                self.pool = SparePool(env, target, log, fork_self=True)
+            return None
         if self.pool.broken:
             return None
         forked = self.pool.fork({**env, bootstrap.ENV_START_PATH: "spare"}, self.opts.command, path)

@@ -56,6 +56,7 @@ class Supervisor(JobState):
         try:
             self.nodes = [LocalNode(self.opts, self.waker)]
             if self.opts.nnodes > 1:
+                self.nodes[0].group.open_pool_early()  # a fork, before the rendezvous' threads
                 server = Rendezvous(self.opts, key, self.event, self.waker)
                 self.nodes += server.wait(lambda: self.stop_request is not None)
             per_node = [self.opts.nproc] + [n.nproc for n in self.nodes[1:]]

@@ -901,7 +901,15 @@ class ReplicaSupervisor(JobState):
             key = group_key(shared, self.nonce)
         else:
             key = secrets.token_bytes(32)  # this job's group key: the workers' and the hub's only
+        per_host = o.groups // o.nnodes
+        self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
+                               if e.get("event") == runlog.WorkerEvent.START)  # fmt: skip
         try:
+            # this host's groups, their spare pools forked before the hub's and the rendezvous'
+            # threads exist (a fork, not a cold start); the hub's address is theirs once it binds
+            self.groups = [ReplicaGroup(o, self.waker, g, "", key) for g in range(per_host)]
+            for g, grp in enumerate(self.groups):
+                grp.open_pool(self._spec(g, coordinator="", bind=""))
             if o.nnodes > 1:
                 server = Rendezvous(o, shared, self.event, self.waker)
                 nodes = server.wait(lambda: self.stop_request is not None)
@@ -916,16 +924,14 @@ class ReplicaSupervisor(JobState):
                            handshake_s=o.handshake_timeout_s)  # fmt: skip
             self.slots = [(n, i) for n in range(o.nnodes) for i in range(o.nproc)]
             self.tail = EventTail(self.events_path)
-            self.incarnation = sum(1 for e in runlog.read_jsonl(self.events_path)
-                                   if e.get("event") == runlog.WorkerEvent.START)  # fmt: skip
             self.event(SupervisorEvent.LAUNCH, nproc=len(self.slots), nnodes=o.nnodes,
                        devices_per_proc=o.devices_per_proc, max_restarts=o.max_restarts,
                        groups=o.groups, min_groups=o.min_groups,
                        command=shlex.join(o.command), pid=os.getpid())  # fmt: skip
-            per_host = o.groups // o.nnodes
-            self.groups = [ReplicaGroup(o, self.waker, g, self.hub.address, key)
-                           if g < per_host else RemoteGroup(self.hosts[g // per_host - 1], g)
-                           for g in range(o.groups)]  # fmt: skip
+            for grp in self.groups:
+                grp.hub = self.hub.address
+            self.groups += [RemoteGroup(self.hosts[g // per_host - 1], g)
+                            for g in range(per_host, o.groups)]  # fmt: skip
             for g in range(o.groups):
                 self._start(g)
             hosts = f" on {o.nnodes} hosts" if o.nnodes > 1 else ""
@@ -958,12 +964,7 @@ class ReplicaSupervisor(JobState):
         assert self.hub is not None
         grp = self.groups[g]
         ids = list(range(g * self.per_group, (g + 1) * self.per_group))
-        spec = {"incarnation": self.incarnation, "nproc": self.per_group, "process_ids": ids,
-                "attempt": self.group_restarts, "faults": self.opts.faults,
-                "collective_timeout": self.opts.collective_timeout or 600.0,
-                "run_lock": self.lock.token,
-                # no other group runs: this one may remove unfinished saves (none is in flight)
-                "tidy": not any(o.alive() for o in self.groups if o is not grp)}  # fmt: skip
+        spec = self._spec(g)
         if isinstance(grp, RemoteGroup):
             spec.update(coordinator="", bind="", group=g, groups=self.opts.groups,
                         hub=self.hub.address, group_nonce=self.nonce)  # fmt: skip
@@ -983,6 +984,17 @@ class ReplicaSupervisor(JobState):
         self.event(SupervisorEvent.GROUP_STARTED, group=g, nproc=self.per_group,
                    process_ids=ids, coordinator=spec["coordinator"], path=path,
                    pids=[grp.procs[p].pid for p in ids])  # fmt: skip
+
+    def _spec(self, g: int, **extra) -> dict:
+        """The plan of group `g`'s next start (where its coordinator listens comes with it)."""
+        grp = self.groups[g]
+        return {"incarnation": self.incarnation, "nproc": self.per_group,
+                "process_ids": list(range(g * self.per_group, (g + 1) * self.per_group)),
+                "attempt": self.group_restarts, "faults": self.opts.faults,
+                "collective_timeout": self.opts.collective_timeout or 600.0,
+                "run_lock": self.lock.token,
+                # no other group runs: this one may remove unfinished saves (none is in flight)
+                "tidy": not any(o.alive() for o in self.groups if o is not grp), **extra}  # fmt: skip
 
     def _mark_joined(self) -> None:
         """A group in the quorum of the last step released is past its start-up and its first

@@ -288,13 +288,15 @@ def run_follower(opts: Options) -> int:
         say(f"error: {e}")
         return 2
     waker = Wakeup()
+    group = LocalGroup(opts, waker)
+    group.open_pool_early()  # a fork, before the control channel's threads
     chan = _connect(opts, key, waker)
     if isinstance(chan, tuple):
+        group.release_pool()
         say(f"node {opts.node_rank}: {chan[1]}")
         return chan[0]
     from jaxpar.supervisor.group_hosts import FollowerGroups
 
-    group = LocalGroup(opts, waker)
     replicas = FollowerGroups(opts, waker, key)  # this host's replica groups, if the job has any
 
     def notice(*_) -> None:  # the preemption notice

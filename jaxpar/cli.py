@@ -254,9 +254,18 @@ def _csv(text: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    import signal
+
     from jaxpar.worker import bootstrap
 
+    # the jobs a suite starts run in sessions of their own: a SIGTERM unwinds the suite, whose
+    # `finally` blocks stop them, instead of ending this process with them left running
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     bootstrap.configure_devices()
     from jaxpar.bench.harness import Bench, run_suite
     from jaxpar.config import validate

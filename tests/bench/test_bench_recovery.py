@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
 from jaxpar.bench import recovery
 from tests.support.helpers import XLA_TEST_FLAGS, cpu_env, ok, run
+from tests.support.launch_util import run_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -95,3 +99,38 @@ def test_torchrun_peer_figures_from_its_records(tmp_path):
     assert (f["recovery_s"], f["to_start_s"], f["init_s"]) == (7.0, 1.0, 4.0)
     assert (f["restore_s"], f["first_step_s"], f["lost_steps"]) == (1.0, 1.0, 3)
     assert f["steady_step_s"] == 1.0
+
+
+def test_a_sigterm_stops_the_jobs_the_bench_started(tmp_path):
+    """`jaxpar bench recovery` stopped with SIGTERM while its job trains: the bench exits
+    (128 + 15) and takes the `jaxpar launch` job it started, which runs in a session of its own,
+    with it (supervisor, pool and workers), instead of leaving it running."""
+    env = {**cpu_env(devices=None), "TMPDIR": str(tmp_path)}  # the bench's jobs under tmp_path
+    cmd = [sys.executable, "-m", "jaxpar.cli", "bench", "recovery", "--quick", "--paths",
+           "local", "--out", str(tmp_path / "out")]  # fmt: skip
+    with open(tmp_path / "bench.log", "wb") as log:
+        bench = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    run_dir, job = None, []
+    try:
+        deadline = time.time() + 600
+        while not job and time.time() < deadline and bench.poll() is None:
+            time.sleep(0.2)
+            found = list(tmp_path.glob("jaxpar-bench-recovery-*/recovery-local"))
+            events = found[0] / "events.jsonl" if found else None
+            if events is not None and events.exists() and '"event": "start"' in events.read_text():
+                run_dir = found[0]  # its workers have started
+                job = run_processes(run_dir)
+        assert job, (tmp_path / "bench.log").read_text()[-3000:]
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+        deadline = time.time() + 60
+        while run_processes(run_dir) and time.time() < deadline:
+            time.sleep(0.2)
+        assert run_processes(run_dir) == [], "the bench's job outlived it"
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+        for p in run_processes(run_dir) if run_dir else []:
+            p.kill()

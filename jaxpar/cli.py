@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -259,8 +260,6 @@ def _stop_on_sigterm(signum, frame) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import signal
-
     from jaxpar.worker import bootstrap
 
     # the jobs a suite starts run in sessions of their own: a SIGTERM unwinds the suite, whose

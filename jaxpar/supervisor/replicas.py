@@ -963,8 +963,8 @@ class ReplicaSupervisor(JobState):
         reply is the `group_started` event."""
         assert self.hub is not None
         grp = self.groups[g]
-        ids = list(range(g * self.per_group, (g + 1) * self.per_group))
         spec = self._spec(g)
+        ids = spec["process_ids"]
         if isinstance(grp, RemoteGroup):
             spec.update(coordinator="", bind="", group=g, groups=self.opts.groups,
                         hub=self.hub.address, group_nonce=self.nonce)  # fmt: skip

@@ -7,17 +7,12 @@ import socket
 import threading
 import time
 
+from jaxpar.supervisor.options import free_port
 from jaxpar.worker import bootstrap
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_returns_once_the_port_listens():
-    port = _free_port()
+    port = free_port("127.0.0.1")
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listening = threading.Event()
@@ -39,6 +34,6 @@ def test_returns_once_the_port_listens():
 
 
 def test_gives_up_after_its_timeout_and_on_a_malformed_address():
-    port = _free_port()  # nothing listens there
+    port = free_port("127.0.0.1")  # nothing listens there
     assert not bootstrap.wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.2)
     assert not bootstrap.wait_for_coordinator("no-port-here", timeout_s=30)  # at once

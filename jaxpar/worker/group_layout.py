@@ -158,20 +158,43 @@ def nbytes(shapes, dtypes) -> int:
     return sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes, strict=True))
 
 
+SCREEN_CHUNK = 1 << 20  # elements widened to float64 at a time by the screen
+
+
 def screen_pieces(pieces, norm_of=None) -> tuple[list[int], float]:
     """The screen of (leaf, array) pieces: the leaves holding a NaN or an infinity, and the sum
     of squares (float64) of the finite floating pieces of the leaves in `norm_of` (all when
-    None)."""
+    None).
+
+    One pass per piece, a chunk at a time through one float64 buffer (a whole float64 copy of a
+    step's gradients would cost twice their memory, and its page faults most of the screen's
+    time). A chunk's sum of squares is not finite exactly when it holds a NaN or an infinity:
+    squares of float32 or narrower values cannot overflow float64; only a float64 piece whose
+    sum overflows is checked element by element."""
     bad: set[int] = set()
     squares = 0.0
+    work = None
     for leaf, a in pieces:
         if a.dtype.kind != "f" or leaf in bad:
             continue
-        if not np.isfinite(a).all():
-            bad.add(leaf)
-        elif norm_of is None or leaf in norm_of:
-            x = a.reshape(-1).astype(np.float64)
-            squares += float(x @ x)
+        flat = a.reshape(-1)
+        if work is None:
+            work = np.empty(min(SCREEN_CHUNK, max(flat.size, 1)), np.float64)
+        total = 0.0
+        for at in range(0, flat.size, SCREEN_CHUNK):
+            chunk = flat[at : at + SCREEN_CHUNK]
+            if chunk.size > work.size:
+                work = np.empty(SCREEN_CHUNK, np.float64)
+            x = work[: chunk.size]
+            x[...] = chunk
+            with np.errstate(over="ignore", invalid="ignore"):  # said by the check below
+                part = float(x @ x)
+            if not math.isfinite(part) and (a.dtype.itemsize < 8 or not np.isfinite(chunk).all()):
+                bad.add(leaf)
+                break
+            total += part
+        if leaf not in bad and (norm_of is None or leaf in norm_of):
+            squares += total
     return sorted(bad), squares
 
 

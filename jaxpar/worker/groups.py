@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import TrainConfig
-from jaxpar.engine.mesh import batch_parallel_size
+from jaxpar.engine.mesh import BATCH_AXES, batch_parallel_size
 from jaxpar.worker import group_exchange, group_layout, group_wire
 from jaxpar.worker.group_wire import WireError
 
@@ -249,9 +249,14 @@ def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
         step_c, _ = compile_cache.compile(inner, "train_step")
         return (step_c, (mean_c, outer_c)), time.time() - t0
 
+    spread = _spread_gradients(shardings["params"], state["params"])
+
     def gradients(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        return parts.state_gradients(state, batch, key)
+        loss, aux, grads, extra = parts.state_gradients(state, batch, key)
+        if spread is not None:
+            grads = jax.lax.with_sharding_constraint(grads, spread)
+        return loss, aux, grads, extra
 
     grads, _ = compile_cache.compile(
         jax.jit(gradients).lower(state, abstract_batch), "group_gradients"
@@ -261,6 +266,40 @@ def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
     return (grads, compile_cache.compile(update.lower(state, *outs), "group_update")[0]), (
         time.time() - t0
     )
+
+
+def _spread_gradients(shardings, abstract):
+    """Where a group spans several processes: the gradients' shardings with each leaf also split
+    over the batch axes it is replicated on (on a dimension they divide), so the group's
+    processes each hold a part of every such leaf instead of a whole copy. XLA then reduces the
+    group's gradients with a reduce-scatter, and each process sums only its part with the other
+    groups (group_exchange: its own bytes, none twice); the update gathers what it needs. None
+    when nothing changes (one process, or no leaf replicated over a batch axis)."""
+    if jax.process_count() == 1:
+        return None
+    changed = False
+
+    def one(sharding, leaf):
+        nonlocal changed
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding
+        mesh, spec = sharding.mesh, list(sharding.spec)
+        used = {a for entry in spec if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))}  # fmt: skip
+        free = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1 and a not in used)
+        ways = int(np.prod([mesh.shape[a] for a in free])) if free else 1
+        if ways == 1:
+            return sharding
+        spec += [None] * (len(leaf.shape) - len(spec))
+        for d, n in enumerate(leaf.shape):
+            if spec[d] is None and n % ways == 0:
+                spec[d] = free if len(free) > 1 else free[0]
+                changed = True
+                return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return sharding
+
+    out = jax.tree.map(one, shardings, abstract)
+    return out if changed else None
 
 
 def _with_shardings(abstract, compiled):
@@ -487,6 +526,8 @@ class GroupLink:
         if names:
             report["parts"] = names
         self.wire.send(report)
+        # summed in place by each exchange: one the hub gave up may still write into its
+        # buffers, so every later exchange of the step sums a fresh pack
         buffers = plan.pack(pieces)
         sums, flight = None, None  # the sums of exchange `sums[0]`; the epoch in flight
         while True:
@@ -510,8 +551,11 @@ class GroupLink:
                 self.engine.begin(flight)
                 if self.faults is not None:
                     self.faults.inside_average(step)
+                if buffers is None:
+                    buffers = plan.pack(pieces)
                 threading.Thread(target=self._sum, args=(header, buffers), daemon=True,
                                  name="jaxpar-exchange-sums").start()  # fmt: skip
+                buffers = None
             elif kind == "averaged" and header.get("step") == step and sums is not None \
                     and header.get("epoch") == sums[0]:  # fmt: skip
                 self.quorum = [int(g) for g in header.get("quorum", [])]

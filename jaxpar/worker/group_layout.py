@@ -173,18 +173,14 @@ def screen_pieces(pieces, norm_of=None) -> tuple[list[int], float]:
     sum overflows is checked element by element."""
     bad: set[int] = set()
     squares = 0.0
-    work = None
+    work = np.empty(SCREEN_CHUNK, np.float64)  # pages touched only as far as a piece needs
     for leaf, a in pieces:
         if a.dtype.kind != "f" or leaf in bad:
             continue
         flat = a.reshape(-1)
-        if work is None:
-            work = np.empty(min(SCREEN_CHUNK, max(flat.size, 1)), np.float64)
         total = 0.0
         for at in range(0, flat.size, SCREEN_CHUNK):
             chunk = flat[at : at + SCREEN_CHUNK]
-            if chunk.size > work.size:
-                work = np.empty(SCREEN_CHUNK, np.float64)
             x = work[: chunk.size]
             x[...] = chunk
             with np.errstate(over="ignore", invalid="ignore"):  # said by the check below

@@ -269,18 +269,21 @@ def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
 
 
 def _spread_gradients(shardings, abstract):
-    """Where a group spans several processes: the gradients' shardings with each leaf also split
-    over the batch axes it is replicated on (on a dimension they divide), so the group's
-    processes each hold a part of every such leaf instead of a whole copy. XLA then reduces the
-    group's gradients with a reduce-scatter, and each process sums only its part with the other
-    groups (group_exchange: its own bytes, none twice); the update gathers what it needs. None
-    when nothing changes (one process, or no leaf replicated over a batch axis)."""
-    if jax.process_count() == 1:
-        return None
-    changed = False
+    """Where a group spans several processes: `spread_over_batch` of the gradients' shardings, so
+    the group's processes each hold a part of every leaf they would replicate. XLA then reduces
+    the group's gradients with a reduce-scatter, and each process sums only its part with the
+    other groups (group_exchange: its own bytes, none twice); the update gathers what it needs.
+    None for a group of one process (nothing to split across processes)."""
+    return spread_over_batch(shardings, abstract) if jax.process_count() > 1 else None
+
+
+def spread_over_batch(shardings, abstract):
+    """`shardings` with each leaf also split over the batch axes it is replicated on (their
+    product, on its first dimension they divide that is not split yet); None when no leaf
+    changes (no batch axis of size > 1 free, or no dimension it divides)."""
+    spread = []
 
     def one(sharding, leaf):
-        nonlocal changed
         if not isinstance(sharding, jax.sharding.NamedSharding):
             return sharding
         mesh, spec = sharding.mesh, list(sharding.spec)
@@ -294,12 +297,12 @@ def _spread_gradients(shardings, abstract):
         for d, n in enumerate(leaf.shape):
             if spec[d] is None and n % ways == 0:
                 spec[d] = free if len(free) > 1 else free[0]
-                changed = True
+                spread.append(d)
                 return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
         return sharding
 
     out = jax.tree.map(one, shardings, abstract)
-    return out if changed else None
+    return out if spread else None
 
 
 def _with_shardings(abstract, compiled):

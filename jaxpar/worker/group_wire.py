@@ -16,6 +16,7 @@ Header and payload sizes are bounded; dtypes are a fixed list of plain numeric o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -48,6 +49,7 @@ MAX_PAYLOAD = 1 << 36  # 64 GiB: one process's share of a state
 # leaves, no arrays); after, `carried(the state's bytes)`
 READY_PAYLOAD = 1 << 20
 CHUNK = 1 << 24  # a frame's bytes are read (and its buffer grown) this much at a time
+SMALL_FRAME = 1 << 16  # array bytes up to which a frame is sent in one write (copied once)
 DTYPES = frozenset(
     ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
      "uint32", "uint64", "bool")
@@ -127,6 +129,11 @@ class Wire:
 
     def __init__(self, sock: socket.socket, key: bytes, *, hub: bool, limit: int = MAX_PAYLOAD):
         self.sock, self.key, self.limit = sock, key, limit
+        # Every frame is answered (a report by the exchange, the sums by the average): with
+        # Nagle's algorithm its last small write (the tag) waited for the peer's delayed ACK,
+        # about 40 ms per frame, several frames per step.
+        with contextlib.suppress(OSError):  # not TCP (a socketpair): nothing to turn off
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.out_dir, self.in_dir = ("h", "w") if hub else ("w", "h")
         self.sent = self.received = 0
         self._lock = threading.Lock()
@@ -145,6 +152,9 @@ class Wire:
         with self._lock:
             n, self.sent = self.sent, self.sent + 1
             tag = self._mac(self.out_dir, n, head, views)
+            if sum(len(v) for v in views) <= SMALL_FRAME:  # one write: one segment to answer
+                self.sock.sendall(b"".join([struct.pack("!I", len(head)), head, *views, tag]))
+                return
             self.sock.sendall(struct.pack("!I", len(head)) + head)
             for v in views:
                 self.sock.sendall(v)

@@ -126,6 +126,44 @@ def test_wire_round_trip_and_tampering_refused():
     b.close()
 
 
+class _Writes:
+    """A socket's sending side that records each write."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def setsockopt(self, *args):
+        raise OSError("not TCP")
+
+    def sendall(self, data) -> None:
+        self.writes.append(bytes(data))
+
+
+def test_frames_leave_at_once_over_tcp():
+    """Every frame is answered, so none may wait for the peer's delayed ACK (Nagle's algorithm
+    held a frame's last small write about 40 ms): both ends of a TCP wire send without delay, a
+    frame of small arrays goes out in one write, a large one without an extra copy of its
+    arrays; both arrive whole."""
+    server = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    server.close()
+    left, right = Wire(a, KEY, hub=False), Wire(b, KEY, hub=True)
+    for sock in (a, b):
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    small, big = np.arange(100, dtype=np.float32), np.ones(group_wire.SMALL_FRAME, np.float32)
+    for arrays, writes in (([], 1), ([small], 1), ([small, big], 4)):
+        rec = _Writes()
+        Wire(rec, KEY, hub=False).send({"kind": "x", "n": len(arrays)}, arrays)
+        assert len(rec.writes) == writes, [len(w) for w in rec.writes]
+        left.send({"kind": "x", "n": len(arrays)}, arrays)
+        header, got = right.recv()
+        assert header["n"] == len(arrays)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays, got, strict=True))
+    a.close()
+    b.close()
+
+
 def test_hub_quorum_abort_redo_hold_and_rejoin_from_a_peer():
     """Two groups average step 0; group 0 dies while step 1 waits for it: step 1 is released
     over group 1 alone with its own gradients (min 1). With min 2 the next step is held until

@@ -62,10 +62,14 @@ def _open(addr, source: str) -> socket.socket | None:
         return None
 
 
-def _served(port: int) -> int:
-    """This process's sockets on the server's side of its port (the listener aside)."""
+def _served(addr) -> int:
+    """This process's sockets on the server's side of its address (the listener aside). The
+    address, not only the port: a client socket bound to 127.0.0.N may get the server's port
+    number as its own (another address), and is not the server's."""
+    host, port = addr
     conns = psutil.Process().net_connections(kind="tcp")
-    return sum(1 for c in conns if c.laddr and c.laddr.port == port and c.status != "LISTEN")
+    return sum(1 for c in conns if c.laddr and c.laddr.port == port and c.laddr.ip == host
+               and c.status != "LISTEN")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -75,7 +79,6 @@ def _crowd(server, n: int, sources: int):
     and a socket per connection served plus the one just accepted while it decides whether that
     one gets a slot. Yields the sockets; closes them on the way out."""
     before = threading.active_count()
-    port = server.addr[1]
     most_threads = most_served = 0
     socks = []
     try:
@@ -83,10 +86,10 @@ def _crowd(server, n: int, sources: int):
             socks.append(_open(server.addr, f"127.0.0.{2 + i % sources}"))
             most_threads = max(most_threads, threading.active_count() - before)
             if i % 5 == 0:
-                most_served = max(most_served, _served(port))
+                most_served = max(most_served, _served(server.addr))
         for _ in range(20):  # until the server has dealt with every connection
             most_threads = max(most_threads, threading.active_count() - before)
-            most_served = max(most_served, _served(port))
+            most_served = max(most_served, _served(server.addr))
             time.sleep(0.1)
         assert all(s is not None for s in socks)
         assert most_threads <= peer_tier.Server.MAX_CONNECTIONS, most_threads

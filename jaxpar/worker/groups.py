@@ -256,16 +256,57 @@ def compile_halves(program, abstract_batch: dict) -> tuple[tuple, float]:
         loss, aux, grads, extra = parts.state_gradients(state, batch, key)
         if spread is not None:
             grads = jax.lax.with_sharding_constraint(grads, spread)
-        return loss, aux, grads, extra
+        return loss, aux, grads, extra, gradient_screen(grads)
 
     grads, _ = compile_cache.compile(
         jax.jit(gradients).lower(state, abstract_batch), "group_gradients"
     )
-    outs = _with_shardings(jax.eval_shape(gradients, state, abstract_batch), grads)
+    outs = _with_shardings(jax.eval_shape(gradients, state, abstract_batch), grads)[:4]
     update = jax.jit(parts.update, out_shardings=(shardings, None), donate_argnums=0)
     return (grads, compile_cache.compile(update.lower(state, *outs), "group_update")[0]), (
         time.time() - t0
     )
+
+
+def gradient_screen(grads) -> tuple:
+    """The screen of a gradient tree, computed where the gradients lie (inside the gradient
+    program: no host pass over them): per leaf, its largest magnitude m (NaN exactly when the
+    leaf holds a NaN or an infinity; 0 for a leaf that is not floating) and r, the sum of the
+    squares of its finite values divided by m (at most its size: no square overflows). Two vectors
+    (m, r) in float32, or float64 where a leaf is; `screened` reads them."""
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(grads)
+    floating = [g for g in leaves if jnp.issubdtype(g.dtype, jnp.floating)]
+    dtype = jnp.result_type(jnp.float32, *(g.dtype for g in floating))
+    ms, rs = [], []
+    for g in leaves:
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            ms.append(jnp.zeros((), dtype))
+            rs.append(jnp.zeros((), dtype))
+            continue
+        a = jnp.abs(g).astype(dtype)
+        finite = jnp.isfinite(a)
+        # counted, not carried by the max: a max across devices need not propagate a NaN
+        # (XLA CPU's all-reduce drops it)
+        odd = jnp.sum(~finite, dtype=jnp.int32)
+        a = jnp.where(finite, a, jnp.zeros((), dtype))
+        m = jnp.max(a, initial=jnp.zeros((), dtype))
+        r = jnp.sum(jnp.square(a / jnp.where(m > 0, m, jnp.ones((), dtype))))
+        ms.append(jnp.where(odd > 0, jnp.asarray(jnp.nan, dtype), m))
+        rs.append(r)
+    if not leaves:
+        return jnp.zeros((0,), dtype), jnp.zeros((0,), dtype)
+    return jnp.stack(ms), jnp.stack(rs)
+
+
+def screened(screen: tuple) -> tuple[list[int], float]:
+    """(the leaves holding a NaN or an infinity, the sum of squares of the others in float64)
+    from gradient_screen's (m, r): each leaf's m²·r."""
+    m, r = (np.asarray(x if x.is_fully_addressable else x.addressable_data(0), np.float64)
+            for x in screen)  # fmt: skip
+    ok = np.isfinite(m)
+    return [int(i) for i in np.flatnonzero(~ok)], float(np.sum(m[ok] * m[ok] * r[ok]))
 
 
 def _spread_gradients(shardings, abstract):
@@ -463,16 +504,17 @@ class GroupLink:
             raise WireError(f"the group hub stopped this group: {str(header.get('why'))[:200]}")
         return header, arrays
 
-    def _average(self, tree, step: int, parts: tuple[str, ...] = ()):
+    def _average(self, tree, step: int, parts: tuple[str, ...] = (), screen=None):
         """`tree` (this process's shards) sent for `step`; the quorum's mean returned. `parts`
-        names the parts of a tuple `tree` (the hub names what it refuses by them)."""
+        names the parts of a tuple `tree` (the hub names what it refuses by them); `screen`:
+        gradient_screen of its "gradients" part, computed on the devices."""
         names = [[n, len(jax.tree.leaves(t))] for n, t in zip(parts, tree, strict=True)] \
             if parts else []  # fmt: skip
         fields: dict = {}
         if self.engine.address is not None:
             plan = self._plan(jax.tree.leaves(tree))
             if plan.usable:
-                out = self._exchange(tree, step, names)
+                out = self._exchange(tree, step, names, screen)
                 if out is not None:
                     return out
             else:  # the hub says why the step goes through it
@@ -501,11 +543,16 @@ class GroupLink:
             )
         return plan
 
-    def _exchange(self, tree, step: int, names: list):
+    def _exchange(self, tree, step: int, names: list, screen=None):
         """`step`'s average peer to peer: this process's report (its non-finite leaves and sum of
         squares) to the hub, then the sums of its held shards over each exchange the hub names,
         until the hub commits one (`averaged`, no arrays: every member's sums succeeded); None
-        when the hub asks for the shards instead (the hub path)."""
+        when the hub asks for the shards instead (the hub path).
+
+        With `screen` (gradient_screen of the gradients, whole leaves, the same on every process
+        of the group) the gradients are not read on the host for the report: every process names
+        the non-finite leaves, and the group's process 0 alone carries the sum of squares (the
+        hub adds the group's processes' sums). The other parts (loss, metrics) are screened here."""
         leaves = jax.tree.leaves(tree)
         plan = self._plan(leaves)
         pieces: dict[tuple[int, tuple], np.ndarray] = {}
@@ -523,7 +570,14 @@ class GroupLink:
         for name, n in names:
             span = range(at, at + n) if name == "gradients" else span
             at += n
-        bad, squares = group_exchange.screen(owned, span)
+        if screen is not None and span is not None:
+            rest = [(i, a) for i, a in owned if i not in span]
+            bad, _ = group_exchange.screen(rest, range(0))
+            grad_bad, squares = screened(screen)
+            bad = sorted(set(bad) | {span.start + i for i in grad_bad})
+            squares = squares if self.rank == 0 else 0.0
+        else:
+            bad, squares = group_exchange.screen(owned, span)
         report = {"kind": "report", "step": step, "bad": bad, "sq": squares,
                   "digest": plan.digest, "leaves": len(leaves)}  # fmt: skip
         if names:
@@ -601,11 +655,13 @@ class GroupLink:
     def step(self, state: dict, batch: dict, step: int) -> tuple[dict, dict]:
         """One optimizer step: this group's gradients, the quorum's average, the update."""
         self._computing(step, state)
-        loss, aux, grads, extra = self._first(state, batch)
+        loss, aux, grads, extra, screen = self._first(state, batch)
         if self.faults is not None:
-            grads = self.faults.before_average(step, grads)
+            changed = self.faults.before_average(step, grads)
+            if changed is not grads:  # (nangrad, which may fire on one process of the group
+                grads, screen = changed, None  # alone: no collective) screened on the host
         (loss, aux, grads), _ = self._average((loss, aux, grads), step,
-                                              ("loss", "metrics", "gradients"))  # fmt: skip
+                                              ("loss", "metrics", "gradients"), screen)  # fmt: skip
         self._computing(None)
         return self._second(state, loss, aux, grads, extra)
 

@@ -293,6 +293,7 @@ def run(b: Bench) -> dict:
         png = plot(traces, tf_traces, p["seconds"] / (2 if b.quick else 1),
                    b.path("survivors.png"))  # fmt: skip
     finally:
+        kept = keep_records(root, b.path("survivors-runs"))
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "suite": "survivors",
@@ -312,5 +313,40 @@ def run(b: Bench) -> dict:
         "runs": runs,
         "torchft": tf,
         "plot": png,
+        "records": kept,
     }
     return b.write("survivors", result, _table(base, runs, tf))
+
+
+# what a run directory holds that says what happened, kept under OUT: not the checkpoints, the
+# compiled programs or the heartbeats (their bytes say nothing a reader of the run needs)
+_NOT_KEPT = ("checkpoints", "compiled", "heartbeats", "*.bin")
+KEPT_FILE_MAX = 64 << 20  # a larger file is not a record
+
+
+def _not_kept(folder: str, names: list[str]) -> set[str]:
+    out = set(shutil.ignore_patterns(*_NOT_KEPT)(folder, names))
+    for n in names:
+        path = os.path.join(folder, n)
+        if os.path.isfile(path) and os.path.getsize(path) > KEPT_FILE_MAX:
+            out.add(n)
+    return out
+
+
+def keep_records(root: str, dest: str) -> str | None:
+    """Copy the records of every run under `root` (events, metrics, summaries, the console and
+    workers' logs) to `dest`, one folder per run, before the runs are deleted; `dest`, or None
+    when there was nothing to keep. A failure to copy is said, never raised: the figures stand."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    names = sorted(set(n for n in names if os.path.isdir(os.path.join(root, n)))
+                   - _not_kept(root, names))  # fmt: skip
+    if not names:
+        return None
+    try:
+        shutil.rmtree(dest, ignore_errors=True)  # a rerun's records replace the last run's
+        for name in names:
+            shutil.copytree(os.path.join(root, name), os.path.join(dest, name),
+                            ignore=_not_kept, symlinks=True)  # fmt: skip
+    except OSError as e:
+        print(f"the runs' records were not all kept under {dest}: {e}", flush=True)
+    return dest

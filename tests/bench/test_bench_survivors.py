@@ -235,4 +235,33 @@ def test_bench_survivors_quick(tmp_path):
     for key in ("healthy_restarts", "steps_rewound", "rejoin_s", "rejoins_s", "restarted_by"):
         assert key in fault
     assert (tmp_path / "survivors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run's records outlive it (its folder is deleted): what happened can be read after
+    assert r["records"] == str(tmp_path / "survivors-runs")
+    events = (tmp_path / "survivors-runs" / "quick" / "events.jsonl").read_text()
+    assert '"event": "group_joined"' in events
+    assert not list((tmp_path / "survivors-runs").rglob("checkpoints"))
     assert time.time() - t0 < 800
+
+
+def test_the_runs_records_are_kept_without_their_checkpoints(tmp_path):
+    root = tmp_path / "runs"
+    for name in ("baseline", "standby-60s"):
+        run = root / name
+        (run / "checkpoints" / "7").mkdir(parents=True)
+        (run / "checkpoints" / "7" / "state").write_bytes(b"x" * 1000)
+        (run / "logs").mkdir()
+        (run / "logs" / "group1-proc0.log").write_text("Traceback ...\n")
+        (run / "events.jsonl").write_text('{"event": "start"}\n')
+        (run / "launch.log").write_text("jaxpar launch ...\n")
+        (run / "heartbeats").mkdir()
+    (root / "compiled").mkdir()  # the runs' shared program cache: not a run
+    (root / "compiled" / "train_step-p0.bin").write_bytes(b"\0" * 100)
+    with open(root / "baseline" / "huge.log", "wb") as f:
+        f.truncate(survivors.KEPT_FILE_MAX + 1)  # sparse: no bytes written
+    dest = tmp_path / "out" / "survivors-runs"
+    assert survivors.keep_records(str(root), str(dest)) == str(dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["baseline", "standby-60s"]
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == [f"{n}/{f}" for n in ("baseline", "standby-60s")
+                    for f in ("events.jsonl", "launch.log", "logs/group1-proc0.log")]  # fmt: skip
+    assert survivors.keep_records(str(tmp_path / "none"), str(dest)) is None

@@ -11,6 +11,8 @@ shape: `survivors_peer.py`), whose figures go under `torchft`. Each run's window
 starts `warmup_s` after its first step (every group trained, for the peer): a failure's cost is
 measured, not the job's start-up, when the groups build their spares and standby groups on the
 same cores. What is measured: `survivors_measure.py`; the design: docs/design.md, "Benchmarks".
+Written under DIR: survivors.json, the dated record, survivors.png, and survivors-runs/ (each
+run's events, metrics, console and worker logs, without checkpoints: the runs are deleted).
 """
 
 from __future__ import annotations

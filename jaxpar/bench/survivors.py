@@ -340,7 +340,7 @@ def keep_records(root: str, dest: str) -> str | None:
     workers' logs) to `dest`, one folder per run, before the runs are deleted; `dest`, or None
     when there was nothing to keep. A failure to copy is said, never raised: the figures stand."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    names = sorted(set(n for n in names if os.path.isdir(os.path.join(root, n)))
+    names = sorted({n for n in names if os.path.isdir(os.path.join(root, n))}
                    - _not_kept(root, names))  # fmt: skip
     if not names:
         return None

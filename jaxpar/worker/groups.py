@@ -313,8 +313,9 @@ def _spread_gradients(shardings, abstract):
     """Where a group spans several processes: `spread_over_batch` of the gradients' shardings, so
     the group's processes each hold a part of every leaf they would replicate (the CUDA and TPU
     compilers reduce them with a reduce-scatter; XLA's CPU backend all-reduces and slices), and
-    each process sums only its part with the other groups (group_exchange: its own bytes, none twice); the update gathers what it needs.
-    None for a group of one process (nothing to split across processes)."""
+    each process sums only its part with the other groups (group_exchange: its own bytes, none
+    twice); the update gathers what it needs. None for a group of one process (nothing to split
+    across processes)."""
     return spread_over_batch(shardings, abstract) if jax.process_count() > 1 else None
 
 

@@ -54,12 +54,30 @@ def test_warning_and_shardings_are_read():
     assert doctor._moved(src, dst) == ("fsdp",)
 
 
-def test_a_planted_conflicting_rule_is_mapped_to_array_line_axes_and_rules(request, tmp_path):
-    if not helpers.in_child(request, "JAXPAR_DOCTOR_CHILD", "the doctor's mapping"):
-        return  # a process of its own, as below
+def test_a_planted_rule_from_a_warm_cache_is_mapped_and_its_fix_verified(request, tmp_path):
+    """One process of its own (it needs XLA's warnings, and XLA may log a kind of warning only
+    so many times per process: earlier compilations of a worker's session use them up), three
+    properties of one doctor run on the planted rule:
+
+    - a program another process already put in jax's persistent cache would load without being
+      partitioned again, and so without a warning: the doctor bypasses the cache even after the
+      process has compiled with it (jax decides once per process whether the cache is in use);
+    - each warning is mapped to the array, the model's source line, the logical axes and the
+      conflicting rules, and the largest collectives to their model lines;
+    - the proposed rule change is verified by compiling again: no warning left."""
+    if not helpers.in_child(request, "JAXPAR_DOCTOR_CHILD", "the doctor on a planted rule"):
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
-    result = doctor.doctor(small_gpt(), preset, str(tmp_path), propose_fixes=False)
+    run = str(tmp_path / "run")
+    s = setup(small_gpt(), preset, run, create=False)
+    doctor.lower_step(s).compile()  # cached, as an earlier test or run would have left it
+    assert os.listdir(tmp_path / "jax-cache"), "the program must be in the persistent cache"
+    result = doctor.doctor(small_gpt(), preset, run)
     remats = result["remats"]
+    # none: a program from the cache was reported without its warnings (or none was logged)
     assert remats, "the planted rule must make XLA rematerialize"
     tok = [r for r in remats if any(p == "['params']['tok_emb']" for p, _ in r.arrays)]
     assert tok, [r.lines() for r in remats]
@@ -74,41 +92,13 @@ def test_a_planted_conflicting_rule_is_mapped_to_array_line_axes_and_rules(reque
     assert "GPT.embed" in text and "largest collectives" in text
     # the largest collectives carry the model lines they come from
     assert any("models/gpt.py" in c["source"] for c in result["collectives"])
-
-
-@pytest.mark.slow
-def test_the_proposed_rule_change_is_verified_by_recompiling(request, tmp_path):
-    # In a process of its own: it needs XLA's warnings, and XLA may log a kind of warning only
-    # so many times per process (earlier compilations of a worker's session use them up).
-    if not helpers.in_child(request, "JAXPAR_DOCTOR_CHILD", "the doctor's proposal"):
-        return
-    preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
-    result = doctor.doctor(small_gpt(), preset, str(tmp_path))
-    assert result["remats"], "the planted rule must make XLA rematerialize (no warning was logged)"
-    assert result["proposals"], "\n".join(doctor.doctor_lines(result))
+    assert result["proposals"], text
     best = result["proposals"][0]
     assert best.remats_before > 0 and best.remats_after == 0
     # the winner keeps the parameters sharded: no more argument bytes than the planted table
     assert best.args_after <= best.args_before
-    c, _ = doctor.verify(small_gpt(), best.preset, str(tmp_path))
+    c, _ = doctor.verify(small_gpt(), best.preset, run)
     assert c.warnings == []
-
-
-def test_a_program_in_the_persistent_cache_still_reports_its_warnings(request, tmp_path):
-    """A program another process already put in jax's persistent cache would load without being
-    partitioned again, and so without a warning: the doctor bypasses the cache even after the
-    process has compiled with it (jax decides once per process whether the cache is in use)."""
-    if not helpers.in_child(request, "JAXPAR_DOCTOR_CHILD", "the doctor with a warm cache"):
-        return
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    preset = dataclasses.replace(jaxpar.preset("dp2_fsdp2_tp2"), params=PLANTED)
-    s = setup(small_gpt(), preset, str(tmp_path / "run"), create=False)
-    doctor.lower_step(s).compile()  # cached, as an earlier test or run would have left it
-    assert os.listdir(tmp_path / "jax-cache"), "the program must be in the persistent cache"
-    c, _ = doctor.verify(small_gpt(), preset, str(tmp_path / "run"))
-    assert c.warnings, "a program from the cache was reported without its warnings"
 
 
 def test_the_mixed_preset_compiles_without_rematerializations(tmp_path):

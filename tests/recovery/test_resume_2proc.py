@@ -3,8 +3,9 @@ of one worker, a coordinated preemption save after SIGTERM to one worker, and th
 catching one process's diverged parameters. The model is helpers.SMALL (gpt_tiny made smaller: the
 point is the processes, not the model); a `slow` fault on process 0 paces both workers at one step
 every STRAGGLE_S seconds from the step where a signal is sent, so that it lands between two saves.
-Runs are STEPS = 20 steps with a save every 10: a signal after the first save, a restore, a save
-after it and steps on both sides of each (more steps would only repeat them).
+Runs are STEPS = 12 steps with a save every 6: a signal after the first save, a restore, a save
+after it and steps on both sides of each (more steps would only repeat them; a step of this job
+costs ~0.3 CPU-s).
 
 Workers are forked from the tests' preloaded pool (tests/support/forkserver.py) with the
 environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EXIT_REPLICA = 45  # train/__main__.py
 STRAGGLE_S = 2.0  # process 0 sleeps this long before every step from the `slow` fault's step
-STEPS, EVERY = 20, 10
+STEPS, EVERY = 12, 6
 
 
 def free_port() -> int:
@@ -123,7 +124,7 @@ def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref2") / "run"
     run_pair(run_dir)
     ref = losses(run_dir)
-    assert sorted(ref) == list(range(1, STEPS + 1)) and committed(run_dir) == [10, 20]
+    assert sorted(ref) == list(range(1, STEPS + 1)) and committed(run_dir) == [EVERY, STEPS]
     (start,) = events(run_dir, "start")
     assert start["nproc"] == 2
     return ref
@@ -131,8 +132,8 @@ def reference(tmp_path_factory):
 
 def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, faults=[f"slow@14:process=0:seconds={STRAGGLE_S}"])
-    pair.wait_for(lambda: committed(run_dir) == [10] and max(losses(run_dir) or [0]) >= 13)
+    pair = Pair(run_dir, faults=[f"slow@{EVERY + 2}:process=0:seconds={STRAGGLE_S}"])
+    pair.wait_for(lambda: committed(run_dir) == [EVERY] and max(losses(run_dir) or [0]) > EVERY)
     os.kill(pair.procs[1].pid, signal.SIGKILL)  # a real kill -9 of worker 1, between saves
     try:
         pair.procs[0].wait(timeout=90)  # fate sharing: the coordination service aborts it
@@ -142,24 +143,24 @@ def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
     pair.kill()
     assert survivor not in (None, 0), f"the survivor should have failed:\n{pair.tail()}"
     killed_at = max(losses(run_dir))
-    assert 13 <= killed_at < 20 and committed(run_dir) == [10]
+    assert EVERY < killed_at < STEPS and committed(run_dir) == [EVERY]
     run_pair(run_dir)
     (restore,) = events(run_dir, "restore")
-    assert (restore["step"], restore["from_nproc"], restore["to_nproc"]) == (10, 2, 2)
+    assert (restore["step"], restore["from_nproc"], restore["to_nproc"]) == (EVERY, 2, 2)
     assert_exact(run_dir, reference)
 
 
 def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path):
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, faults=[f"slow@13:process=0:seconds={STRAGGLE_S}"])
-    pair.wait_for(lambda: max(losses(run_dir) or [0]) >= 12)
+    pair = Pair(run_dir, faults=[f"slow@{EVERY + 2}:process=0:seconds={STRAGGLE_S}"])
+    pair.wait_for(lambda: max(losses(run_dir) or [0]) > EVERY)
     os.kill(pair.procs[1].pid, signal.SIGTERM)  # the preemption notice, to worker 1 only
     codes = pair.wait()
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], f"{codes}:\n{pair.tail()}"
     pre = events(run_dir, "preempted")
     assert sorted(e["process"] for e in pre) == [0, 1]
     (step,) = {e["step"] for e in pre}
-    assert step >= 12 and step in committed(run_dir)
+    assert EVERY < step < STEPS and step in committed(run_dir)
     run_pair(run_dir)
     assert events(run_dir, "restore")[0]["step"] == step
     assert_exact(run_dir, reference)
@@ -171,5 +172,5 @@ def test_diverged_replica_on_one_process_is_reported(tmp_path):
     (fired,) = events(run_dir, "fault_injected")
     assert (fired["kind"], fired["process"], fired["step"]) == ("diverge", 1, 5)
     (bad,) = events(run_dir, "replica_mismatch")
-    assert (bad["when"], bad["step"]) == ("save", 10)
-    assert 10 not in committed(run_dir)
+    assert (bad["when"], bad["step"]) == ("save", EVERY)
+    assert EVERY not in committed(run_dir)

@@ -27,8 +27,20 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS, EVERY = 12, 4
 TIMEOUT = 900  # generous: a loaded 2-core machine
-# No persistent compilation cache: it serves process 0 only, which then waits in gloo's first
-# rendezvous (30 s) for peers still compiling on a loaded machine, and fails.
+# Not jax's persistent compilation cache: it serves process 0 only, which then waits in gloo's
+# first rendezvous (30 s) for peers still compiling on a loaded machine, and fails. jaxpar's
+# shared compiled-program tier serves every process alike: what the first test's job compiled,
+# the later tests' jobs of the same layout load (one entry per process index, all written by one
+# job, the first test's, before any later job starts).
+
+
+def agent_env() -> dict[str, str]:
+    """The tests' XLA flags and jaxpar's shared compiled-program tier, without jax's cache."""
+    env = cpu_env(devices=None)
+    for name in [k for k in env if k.startswith("JAX_PERSISTENT_CACHE_")]:
+        del env[name]
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
 
 
 class Agents:
@@ -48,7 +60,7 @@ class Agents:
                    "--devices-per-proc", "4", "--run-dir", str(run_dir), *launch_args, "--",
                    *train]  # fmt: skip
             with open(self.logs[i], "wb") as log:
-                self.procs.append(hosts.popen(i, cmd, cwd=REPO, env=cpu_env(devices=None, cache=False),
+                self.procs.append(hosts.popen(i, cmd, cwd=REPO, env=agent_env(),
                                               stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL))  # fmt: skip
 

@@ -99,11 +99,20 @@ def test_bf16_conversion_reported_honestly_on_cpu(devices8):
         assert "bf16" in dtypes
 
 
+def small_tiny(cfg):
+    """gpt_tiny made small as helpers.SMALL (one layer of width 64, batches of 16 x 32 tokens):
+    what these tests show (compressed reductions, saved comm state) does not depend on size."""
+    model = dataclasses.replace(cfg.model, n_layers=1, d_model=64, d_mlp=128, seq_len=32)
+    data = dataclasses.replace(cfg.data, seq_len=32, global_batch=16)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
 @pytest.mark.slow
 def test_int8_error_feedback_training_within_1pct_of_fp32(jp):
+    """20 steps of the small gpt_tiny (the loss falls 5.54 -> 3.75): int8 with error feedback
+    ends 0.3% from fp32 (measured)."""
     steps = 20
-    base = jp.recipe("gpt_tiny", steps)
-    base = dataclasses.replace(base, model=dataclasses.replace(base.model, n_layers=1))
+    base = small_tiny(jp.recipe("gpt_tiny", steps))
     fp32, _ = run_losses(jp, with_comm(base, steps), "dp8")
     int8, _ = run_losses(jp, with_comm(base, steps, compress="int8"), "dp8")
     rel = abs(int8[-1] - fp32[-1]) / fp32[-1]
@@ -112,10 +121,9 @@ def test_int8_error_feedback_training_within_1pct_of_fp32(jp):
 
 
 def _sgd_tiny(jp, steps):
-    cfg = jp.recipe("gpt_tiny", steps)
-    model = dataclasses.replace(cfg.model, n_layers=1)
+    cfg = small_tiny(jp.recipe("gpt_tiny", steps))
     optim = OptimConfig(name="sgd", lr=0.2, warmup_steps=0, clip_norm=0.0)
-    return dataclasses.replace(cfg, model=model, optim=optim)
+    return dataclasses.replace(cfg, optim=optim)
 
 
 def test_diloco_h1_inner_sgd_outer_lr1_equals_synchronous_sgd(jp):
@@ -183,9 +191,9 @@ def test_resume_with_comm_state_is_bitwise_exact(jp, tmp_path, comm):
         comm=dataclasses.replace(CommConfig(), **comm),
         optim=dataclasses.replace(cfg.optim, decay_steps=50),  # schedule independent of steps
         ckpt=CkptConfig(every=3, use_async=False),
-        model=dataclasses.replace(cfg.model, n_layers=1),
         train=dataclasses.replace(cfg.train, eval_every=0),
     )
+    cfg = small_tiny(cfg)
     straight = _run(cfg, "dp8", tmp_path / "a", 6)
     _run(cfg, "dp8", tmp_path / "b", 3)  # stops after step 3 with a checkpoint
     resumed = _run(cfg, "dp8", tmp_path / "b", 6)  # restores step 3, including residuals

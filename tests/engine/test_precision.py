@@ -31,6 +31,11 @@ pytestmark = pytest.mark.usefixtures("cache_every_program")
 
 BF16 = ["precision.compute=bfloat16"]
 LOSS_RTOL_BF16 = 2e-2
+# bf16 runs train 3 steps (two updates in bf16 show in the losses) against the first 3 of the
+# session's 5-step float32 runs: with train.steps <= the warmup's 20 the learning-rate schedule,
+# the one way a run's length reaches its step (program.decay_horizon), is the same, and so is
+# the program, so a 3-step run's losses are a 5-step run's first 3.
+BF16_STEPS = 3
 REMAT_TOL = 1e-6
 
 
@@ -52,7 +57,7 @@ def _bf16_dots(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def bf16_dp8(jp):
-    cfg = apply_overrides(jp.recipe("gpt_tiny"), BF16)
+    cfg = apply_overrides(jp.recipe("gpt_tiny", BF16_STEPS), BF16)
     c = jp.compile_layout(cfg, "dp8")
     return c, jp.train(c)
 
@@ -79,14 +84,15 @@ def test_bf16_lowers_bf16_dots_and_fp32_none(jp):
 
 @pytest.mark.parametrize("layout", ["dp8", pytest.param("fsdp8", marks=pytest.mark.slow)])
 def test_bf16_losses_within_2e_2_of_fp32(layout, jp, runs, bf16_dp8):
-    fp32 = runs("gpt_tiny", layout)
+    fp32 = runs("gpt_tiny", layout).losses[:BF16_STEPS]
     if layout == "dp8":
         got = bf16_dp8[1]
     else:
-        got = jp.train(jp.compile_layout(apply_overrides(jp.recipe("gpt_tiny"), BF16), layout))
-    print(layout, "fp32", fp32.losses, "bf16", got.losses)
-    assert np.all(np.isfinite(got.losses))
-    assert jp.max_rel(got.losses, fp32.losses) <= LOSS_RTOL_BF16
+        cfg = apply_overrides(jp.recipe("gpt_tiny", BF16_STEPS), BF16)
+        got = jp.train(jp.compile_layout(cfg, layout))
+    print(layout, "fp32", fp32, "bf16", got.losses)
+    assert len(got.losses) == BF16_STEPS and np.all(np.isfinite(got.losses))
+    assert jp.max_rel(got.losses, fp32) <= LOSS_RTOL_BF16
 
 
 def _deep(jp, remat: str, layers: int, steps: int = 2):
@@ -115,53 +121,59 @@ def test_remat_same_losses_and_gradients_less_memory(jp):
     assert temp[1] <= temp[0]
 
 
-# ---- layouts whose bf16 collectives XLA CPU must compile: one subprocess each ----------------------
+# ---- layouts whose bf16 collectives XLA CPU must compile: in a subprocess ---------------------------
 
 CHILD = """
 import json, os, sys
 sys.path.insert(0, os.getcwd())
 from tests.support import programs
 from jaxpar.config import apply_overrides
-steps, names, layout, sets = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
 extra = {"fp32": [], "bf16": ["precision.compute=bfloat16"]}
 out = {}
-for name in names:
-    cfg = apply_overrides(programs.recipe("gpt_tiny", steps), sets + extra[name])
-    c = programs.compile_layout(cfg, layout)
-    out[name] = programs.train(c).losses.tolist()
-    out[name + "_collectives"] = sorted({(x.kind, x.dtype) for x in c.colls})
+for key, (steps, names, layout, sets) in json.loads(sys.argv[1]).items():
+    out[key] = {}
+    for name in names:
+        cfg = apply_overrides(programs.recipe("gpt_tiny", steps), sets + extra[name])
+        c = programs.compile_layout(cfg, layout)
+        out[key][name] = programs.train(c).losses.tolist()
+        out[key][name + "_collectives"] = sorted({(x.kind, x.dtype) for x in c.colls})
 print("RESULT " + json.dumps(out))
 """
 
+# id: (layout, sets, precisions the child trains). pp2 with remat: one block per stage (the
+# remat and the stages' hand-over are per block), a variant no other test trains: both
+# precisions in the child. dp2_tp4's float32 is the session's run of the layout (test_parity's:
+# the same xdist group).
+CHILD_RUNS = {
+    "dp2_tp4": ("dp2_tp4", (), ("bf16",)),
+    "pp2_remat": ("pp2", ("model.remat=block", "model.n_layers=2"), ("fp32", "bf16")),
+}
 
-def _child(jp, steps: int, names: tuple[str, ...], layout: str, *sets: str) -> dict:
-    """gpt_tiny with `sets`, `steps` steps on `layout` in precisions `names`, in a subprocess."""
+
+@pytest.fixture(scope="module")
+def child_runs(jp) -> dict:
+    """Every CHILD_RUNS variant, BF16_STEPS steps each, in one subprocess (one interpreter and
+    jax start for all): an abort there fails the tests that read it, not the session."""
+    todo = {k: (BF16_STEPS, names, layout, list(sets)) for k, (layout, sets, names) in
+            CHILD_RUNS.items()}  # fmt: skip
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {helpers.XLA_TEST_FLAGS}"
-    argv = [str(steps), ",".join(names), layout, *sets]
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], cwd=jp.REPO, env=env, capture_output=True,
-        text=True, timeout=900,
+        [sys.executable, "-c", CHILD, json.dumps(todo)], cwd=jp.REPO, env=env,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     tail = (proc.stdout[-2000:] + proc.stderr[-3000:]).strip()
-    assert proc.returncode == 0, f"{layout} bf16 child exited {proc.returncode}:\n{tail}"
+    assert proc.returncode == 0, f"the bf16 child exited {proc.returncode}:\n{tail}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,sets",
-    # pp2 with remat: one block per stage (the remat and the stages' hand-over are per block)
-    [("dp2_tp4", ()), ("pp2", ("model.remat=block", "model.n_layers=2"))],
-    ids=["dp2_tp4", "pp2_remat"],
-)
-def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, runs, layout, sets):
-    if sets:  # a variant no other test trains: both precisions in the child, 3 steps
-        got = _child(jp, 3, ("fp32", "bf16"), layout, *sets)
-    else:  # float32 is the session's run of the layout (test_parity's: the same xdist group)
-        got = _child(jp, jp.PARITY_STEPS, ("bf16",), layout)
-        got["fp32"] = runs("gpt_tiny", layout).losses.tolist()
+@pytest.mark.parametrize("variant", list(CHILD_RUNS))
+def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, runs, child_runs, variant):
+    got = dict(child_runs[variant])
+    if "fp32" not in got:  # the session's float32 run of the layout, its first BF16_STEPS
+        got["fp32"] = runs("gpt_tiny", CHILD_RUNS[variant][0]).losses[:BF16_STEPS].tolist()
     print(got)
-    assert np.all(np.isfinite(got["bf16"]))
+    assert len(got["bf16"]) == BF16_STEPS and np.all(np.isfinite(got["bf16"]))
     assert jp.max_rel(got["bf16"], got["fp32"]) <= LOSS_RTOL_BF16

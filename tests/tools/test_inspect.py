@@ -31,12 +31,15 @@ def test_inspect_of_a_model_without_state_has_no_state_table(tmp_path):
 
 def test_inspect_json_reports_the_compiled_steps_memory_and_collectives(tmp_path, capsys):
     """`jaxpar inspect --json`: per-device memory from XLA's analysis of the compiled step (an
-    FSDP layout holds an eighth of dp8's parameter bytes per device) and its collectives."""
+    FSDP layout holds an eighth of dp8's parameter bytes per device) and its collectives. One
+    block of gpt_tiny (every block is the same arrays and collectives): a quicker compile."""
     from jaxpar import cli
 
     got = {}
     for mesh in ("dp8", "fsdp8"):
-        rc = cli.main(["inspect", "--recipe", "gpt_tiny", "--mesh", mesh, "--json"])
+        argv = ["inspect", "--recipe", "gpt_tiny", "--mesh", mesh, "--json",
+                "--set", "model.n_layers=1"]  # fmt: skip
+        rc = cli.main(argv)
         assert rc == 0
         got[mesh] = json.loads(capsys.readouterr().out)
     dp, fs = got["dp8"], got["fsdp8"]
@@ -67,20 +70,22 @@ def test_inspect_refuses_no_audit_with_what_compiles(capsys, flag):
 def test_inspect_json_of_pipeline_and_context_layouts_says_how_they_run(capsys):
     """A pipeline layout's JSON has its schedule (kind, stages, microbatches, ticks, bubble), a
     context layout's its attention kernel and ring; a collective whose groups are single devices
-    (mesh_axes []: the context layout's transposed psums) carries the note that explains it."""
+    (mesh_axes []: the context layout's transposed psums) carries the note that explains it.
+    gpt_tiny with two blocks, one per stage: quicker compiles, the same schedule and kernels."""
     from jaxpar import cli
     from jaxpar.engine.collectives import TRIVIAL_NOTE
 
     got = {}
     for mesh in ("data=4,pipeline=2", "data=2,context=4"):
         argv = ["inspect", "--recipe", "gpt_tiny", "--mesh", mesh, "--json",
-                "--set", "pipeline.schedule=1f1b", "--set", "pipeline.microbatches=4"]  # fmt: skip
+                "--set", "pipeline.schedule=1f1b", "--set", "pipeline.microbatches=4",
+                "--set", "model.n_layers=2"]  # fmt: skip
         assert cli.main(argv) == 0
         got[mesh] = json.loads(capsys.readouterr().out)
     pp = got["data=4,pipeline=2"]["pipeline"]
     assert (pp["schedule"], pp["stages"], pp["microbatches"]) == ("1f1b", 2, 4)
     assert pp["ticks"] > pp["microbatches"] and 0 < pp["bubble"] < 1
-    assert pp["stage_layers"] == [2, 2] and len(pp["stage_train_flops"]) == 2
+    assert pp["stage_layers"] == [1, 1] and len(pp["stage_train_flops"]) == 2
     ctx = got["data=2,context=4"]
     assert ctx["context"]["ring"] == 4 and ctx["context"]["attention"] and "pipeline" not in ctx
     assert any(row["mesh_axes"] == [] for row in ctx["collectives"])

@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import re
+import subprocess
 import sys
 
 import jax
@@ -32,7 +33,6 @@ STEPS = 2
 LOSS_RTOL = 2e-6  # first-step loss, relative
 GRAD_ATOL = 2e-6  # first-step gradients (the largest is ~0.9)
 LOSSES_RTOL = 1e-5  # later steps: Adam amplifies roundoff
-CHILD = "JAXPAR_PIPELINE_CHILD"
 # A folder with the parent's one-device references (ref{layers}.pkl): its child processes load
 # them instead of training the reference again, each of them
 REFERENCES = "JAXPAR_PIPELINE_REFERENCES"
@@ -258,17 +258,50 @@ def test_1f1b_memory_does_not_grow_with_microbatches(jp):
     assert gpipe >= 2.25 and one <= 1.25
 
 
-def _share(reference, layers, tmp_path, monkeypatch) -> None:
-    """Hand the one-device reference to the child processes (through REFERENCES)."""
-    ref = reference(layers)
-    with open(tmp_path / f"ref{layers}.pkl", "wb") as f:
+CHILD_DEVICES = 16  # the child process of the tests marked CHILDREN
+
+
+@pytest.fixture(scope="module")
+def child_session(request, reference, tmp_path_factory):
+    """The parent's side of the CHILDREN tests: one pytest subprocess with 16 devices runs them
+    all (XLA CPU may abort a process for some layouts; the 16-device layout needs 16 devices;
+    the 8-device layouts take the first 8), handed the one-device reference (REFERENCES), so
+    the child starts jax, and builds the shared initial state, once. Returns its output, in
+    which each test finds its own `PASSED` line. In the child: None."""
+    if jax.device_count() == CHILD_DEVICES:
+        return None
+    folder = tmp_path_factory.mktemp("pipeline-references")
+    ref = reference(4)
+    with open(folder / "ref4.pkl", "wb") as f:
         pickle.dump((ref.losses, ref.grads), f)
-    monkeypatch.setenv(REFERENCES, str(tmp_path))
+    env = {k: v for k, v in helpers.START_ENV.items() if not k.startswith("PYTEST_")}
+    env.update({k: os.environ[k] for k in (helpers.CACHE_ENV,) if k in os.environ})
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update({REFERENCES: str(folder), "JAXPAR_TEST_DEVICES": str(CHILD_DEVICES),
+                "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={CHILD_DEVICES}",
+                                       *flags]), "COLUMNS": "400"})  # fmt: skip
+    module = request.node.nodeid.split("::")[0]
+    tests = [f"{module}::{name}" for name in
+             ("test_combined_layouts", "test_data_fsdp_tensor_pipeline_on_16_devices")]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-s", "-n", "0", "-p", "no:cacheprovider",
+         *tests],
+        cwd=str(request.config.rootpath), env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    return f"(rc {proc.returncode}; negative = killed by a signal, e.g. an XLA abort)\n" + (
+        proc.stdout + proc.stderr
+    )
 
 
-def _in_child(request, layout) -> bool:
-    """True in a subprocess running this test (XLA CPU may abort a process for some layouts)."""
-    return helpers.in_child(request, CHILD, layout, keep=(REFERENCES,))
+def _in_child(request, child_session) -> bool:
+    """True in the child process; in the parent, assert the child passed this test."""
+    if child_session is None:
+        return True
+    nodeid = helpers.plain_nodeid(request.node)
+    assert f"PASSED {nodeid}" in child_session, (
+        f"{nodeid} in a subprocess:\n{child_session[-6000:]}"
+    )
+    return False
 
 
 @pytest.mark.slow
@@ -286,22 +319,19 @@ def _in_child(request, layout) -> bool:
         ("fsdp2_tp2_pp2", "1f1b", 4, 1),
     ],
 )
-def test_combined_layouts(request, jp, reference, tmp_path, monkeypatch, layout, schedule, m, v):
-    if not os.environ.get(CHILD):
-        _share(reference, 4, tmp_path, monkeypatch)
-    if _in_child(request, layout):
+def test_combined_layouts(request, jp, reference, child_session, layout, schedule, m, v):
+    """In the 16-device child (child_session), on the first 8 devices."""
+    if _in_child(request, child_session):
         check_parity(jp, reference, layout, schedule, m, v, 4)
 
 
 @pytest.mark.slow
 @CHILDREN
-def test_data_fsdp_tensor_pipeline_on_16_devices(rerun, jp, reference, tmp_path, monkeypatch):
+def test_data_fsdp_tensor_pipeline_on_16_devices(request, jp, reference, child_session):
     """data=2·fsdp=2·tensor=2·pipeline=2 in a 16-device subprocess: exact, one DP reduction."""
-    if jax.device_count() != 16:
-        _share(reference, 4, tmp_path, monkeypatch)  # the one-device program: any device count
-    if rerun(16, timeout=600):
-        return
-    check_parity(jp, reference, "data=2,fsdp=2,tensor=2,pipeline=2", "gpipe", 4, 1, 4)
+    if _in_child(request, child_session):
+        assert jax.device_count() == 16
+        check_parity(jp, reference, "data=2,fsdp=2,tensor=2,pipeline=2", "gpipe", 4, 1, 4)
 
 
 @pytest.mark.slow

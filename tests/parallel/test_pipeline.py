@@ -408,9 +408,12 @@ def test_checkpoints_cross_pipelined_and_unpipelined(jp, tmp_path):
 @WHOLE_STEPS
 def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
     """One chain of resumes against an uninterrupted gpipe run of 6 layers: gpipe resumed under
-    gpipe is bitwise; then under 1f1b, then under zero_bubble on 4 uneven stages (2,1,1,2: the
-    layers whole on every stage where the 2 even stages sharded them), each resumed step's loss
-    within 1e-6."""
+    gpipe is bitwise; then under zero_bubble on 4 uneven stages (2,1,1,2: the layers whole on
+    every stage where the 2 even stages sharded them), the resumed step's loss within 1e-6.
+    (The train state's layout follows the mesh and the split, not the schedule: on the same
+    even stages gpipe's, 1f1b's and zero_bubble's states are the same arrays, so a resume under
+    another schedule there restores as gpipe -> gpipe does; each schedule's step is exact:
+    the parity tests.)"""
     from jaxpar.worker.training import run
 
     def go(layout, schedule, steps, run_dir, split="", every=50):
@@ -422,12 +425,10 @@ def test_checkpoints_cross_schedules_and_stage_counts(jp, tmp_path):
         run(cfg, jp.preset(layout), str(run_dir), progress=False)
         return _losses(run_dir)
 
-    ref = go("dp4_pp2", "gpipe", 5, tmp_path / "ref", every=0)  # uninterrupted
+    ref = go("dp4_pp2", "gpipe", 4, tmp_path / "ref", every=0)  # uninterrupted
     chain = tmp_path / "chain"
     go("dp4_pp2", "gpipe", 2, chain)
     assert go("dp4_pp2", "gpipe", 3, chain)[3] == ref[3]  # restores step 2: the same schedule
-    go("dp4_pp2", "1f1b", 4, chain)  # restores step 3
-    got = go("dp2_pp4", "zero_bubble", 5, chain, split="2,1,1,2")  # restores step 4
-    assert [s for s, *_ in _restores(chain)] == [2, 3, 4]
-    for step in (4, 5):
-        assert abs(got[step] - ref[step]) <= 1e-6 * abs(ref[step]), (step, got, ref)
+    got = go("dp2_pp4", "zero_bubble", 4, chain, split="2,1,1,2")  # restores step 3
+    assert [s for s, *_ in _restores(chain)] == [2, 3]
+    assert abs(got[4] - ref[4]) <= 1e-6 * abs(ref[4]), (got, ref)

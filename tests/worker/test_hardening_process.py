@@ -14,6 +14,7 @@ import pytest
 
 from jaxpar.rundir.runlog import read_jsonl, read_jsonl_counted
 from jaxpar.worker.bootstrap import EXIT_NAN, EXIT_NO_SPACE
+from tests.support import forkserver
 from tests.support.helpers import REPO, SMALL, cpu_env, events, ok, run, start, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,17 @@ def wait_for(predicate, proc, timeout=600.0, what=""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def start_train(argv, out_path):
+    """`argv` (a `python -m train`) forked from the tests' preloaded pool, stdout and stderr in
+    `out_path` (a forked worker handles signals as a cold process: tests/supervisor/
+    test_spare_pool.py); started cold where the pool cannot run it."""
+    proc = forkserver.start(argv, cpu_env(devices=1), str(out_path), REPO)
+    if proc is None:
+        with open(out_path, "w") as out:
+            proc = start(argv, cpu_env(devices=1), stdout=out, stderr=out)
+    return proc
+
+
 def committed(run_dir) -> list[int]:
     d = os.path.join(run_dir, "checkpoints")
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
@@ -40,22 +52,21 @@ def committed(run_dir) -> list[int]:
 
 def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    err_path = tmp_path / "err.txt"
     # each step from 2 sleeps 4 s, also in the resumed run. Each incarnation records the fault
     # (`fault_injected`) once, just before its first sleep, after its last check for a stop
     # request: a Ctrl-C sent once the record is there lands inside that step, not between a
     # step's metrics line and the check that follows it.
     slow = "slow@2:seconds=4:repeat"
     argv = cmd(run_dir, "--set", "ckpt.every=100", steps=60, faults=[slow])
-    with open(err_path, "w") as err:
-        proc = start(argv, cpu_env(devices=1), stderr=err)
-        try:
-            wait_for(lambda: events(run_dir, "fault_injected", 0), proc, what="the slow step")
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    err_path = tmp_path / "out0.txt"
+    proc = start_train(argv, err_path)
+    try:
+        wait_for(lambda: events(run_dir, "fault_injected", 0), proc, what="the slow step")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     text = err_path.read_text()
     assert code == 130, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
@@ -64,17 +75,17 @@ def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     (pre,) = events(run_dir, "preempted")
     assert pre["step"] == 2 and committed(run_dir) == [2]
     # resume, then two Ctrl-Cs: the second stops at once without waiting for the save
-    with open(err_path, "w") as err:
-        proc = start(argv, cpu_env(devices=1), stderr=err)
-        try:
-            wait_for(lambda: events(run_dir, "fault_injected", 1), proc, what="the slow step")
-            proc.send_signal(signal.SIGINT)
-            wait_for(lambda: "interrupted: saving" in err_path.read_text(), proc, what="notice")
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    err_path = tmp_path / "out1.txt"
+    proc = start_train(argv, err_path)
+    try:
+        wait_for(lambda: events(run_dir, "fault_injected", 1), proc, what="the slow step")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "interrupted: saving" in err_path.read_text(), proc, what="notice")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     text = err_path.read_text()
     assert code == 130 and "interrupted again: stopping now without saving" in text, text[-3000:]
     assert "Traceback" not in text

@@ -25,13 +25,15 @@ from tests.support.helpers import REPO, SMALL, cpu_env, events, losses
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-STEPS, EVERY = 12, 4
+# 10 steps of 2 processes x 4 devices: the programs of tests/supervisor/test_supervisor.py's jobs,
+# which the session's shared compiled-program tier then holds once for both modules
+STEPS, EVERY = 10, 4
 TIMEOUT = 900  # generous: a loaded 2-core machine
 # Not jax's persistent compilation cache: it serves process 0 only, which then waits in gloo's
 # first rendezvous (30 s) for peers still compiling on a loaded machine, and fails. jaxpar's
-# shared compiled-program tier serves every process alike: what the first test's job compiled,
-# the later tests' jobs of the same layout load (one entry per process index, all written by one
-# job, the first test's, before any later job starts).
+# shared compiled-program tier serves every process alike: what the first job of a layout
+# compiled (one entry per process index, written by each of its processes as it compiled), the
+# later jobs of the same layout load, here or in tests/supervisor/test_supervisor.py.
 
 
 def agent_env() -> dict[str, str]:

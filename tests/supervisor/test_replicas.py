@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS, KILL_AT = 30, 5
 WAIT = 600
+# The runs of two hung groups: one program (the steps are in it: the learning rate's decay), so
+# the second test's groups load what the first's compiled
+HUNG_STEPS = 16
 
 
 def _lines(run_dir) -> list[dict]:
@@ -127,7 +130,8 @@ def test_a_group_hung_at_its_start_or_with_nan_gradients_is_restarted_alone(tmp_
     drops group 1 from that step before its gradients enter the average and names it and the
     cause; group 0 trains on, group 1 rejoins from group 0's state again, the job finishes, and
     no metrics line or checkpoint holds a non-finite value."""
-    steps = 16  # group 0 paced at 2 s a step from step 5: group 1 rejoins twice before the end
+    steps = HUNG_STEPS  # group 0 paced at 2 s a step from step 5: group 1 rejoins twice before
+    # the end
     nproc = ["--nproc", "2", "--devices-per-proc", "2", "--groups", "2", "--min-groups", "1",
              "--no-spares", "--startup-timeout", "60"]  # fmt: skip
     # 60 s: a cold start (jax, torch, the programs) under the suite's load has taken over 20 s
@@ -175,7 +179,7 @@ def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
              "--hang-timeout", "10", "--max-restarts", "4"]  # fmt: skip
     faults = [f"slow@{stop_at}:process={p}:seconds=8" for p in (0, 1)]
     run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
-                 train_cmd(10, 4))  # fmt: skip
+                 train_cmd(HUNG_STEPS, 4))  # fmt: skip
     stopped: list[int] = []
     try:
         ckpts = run.run_dir / "checkpoints"
@@ -203,7 +207,7 @@ def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
     restored = [e for e in run.events("restore") if e["time"] > hung[0]["time"]]
     assert restored and {e["step"] for e in restored} == {newest}, restored
     final = _lines(run.run_dir)[-1]
-    assert final["step"] == 10 and final["quorum"] == [0, 1]
+    assert final["step"] == HUNG_STEPS and final["quorum"] == [0, 1]
 
 
 def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_a_third(tmp_path):

@@ -1,8 +1,9 @@
-"""`jaxpar launch` under real failures: 2 worker processes x 4 CPU devices (2 x 2 for the restart
-budget) of (a smaller) gpt_tiny, real jax.distributed over gloo on 127.0.0.1, real signals. Several failures share one run where
+"""`jaxpar launch` under real failures: 2 worker processes x 4 CPU devices of (a smaller) gpt_tiny,
+real jax.distributed over gloo on 127.0.0.1, real signals. Several failures share one run where
 each needs only its own incarnation (a fault spec fires once per run directory), so the suite
-starts fewer jobs. Every run is compared with one uninterrupted supervised run: losses identical (==) per step (last metrics line per step), or
-within fp32 tolerance after an elastic shrink (more microbatches change the summation order).
+starts fewer jobs. Every run is compared with one uninterrupted supervised run: losses identical
+(==) per step (last metrics line per step), or within fp32 tolerance after an elastic shrink
+(more microbatches change the summation order).
 
     python -m pytest tests/supervisor/test_supervisor.py -m slow
 """
@@ -99,12 +100,10 @@ def test_kill_hang_sigterm_nan_in_one_run_each_restarts_exact(tmp_path, referenc
 
 
 def test_restart_budget_exhausted_keeps_checkpoints(tmp_path):
-    # 2 processes x 2 devices: the budget, not the group's size, is the point (and nothing is
-    # compared with the reference)
+    # the reference's layout: its programs, compiled once (nothing is compared with its losses)
     # killed at 6: step 2's save has committed (the save of step 4 waited for it), step 4's may not
     args = ["--max-restarts", "1", "--fault", "kill@6:process=1:repeat"]
-    run = Launch(tmp_path / "run", ["--nproc", "2", "--devices-per-proc", "2", *args],
-                 train_cmd(STEPS, 2))  # fmt: skip
+    run = Launch(tmp_path / "run", [*NPROC, *args], train_cmd(STEPS, 2))
     try:
         rc = run.wait(WAIT)
     finally:

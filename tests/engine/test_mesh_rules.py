@@ -6,7 +6,6 @@ the fix (parameter path, shape, logical axis, mesh axis, the value to use).
 
 import dataclasses
 
-import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec
 
@@ -114,11 +113,11 @@ def test_make_mesh_on_a_subset_of_devices(devices8):
 
 
 @pytest.mark.slow
-def test_default_mesh_uses_every_device_on_data(rerun):
-    if rerun(4):  # re-run in a subprocess with 4 devices
-        return
-    assert jax.device_count() == 4
-    assert dict(make_mesh("").shape) == dict.fromkeys(AXES, 1) | {"data": 4}
+def test_default_mesh_uses_every_device_on_data(devices8):
+    """Every device of the process when none are given (the test process's 8), and as many as
+    are given (4: the count is not the process's, nor a fixed 8): no process of its own."""
+    assert dict(make_mesh("").shape) == dict.fromkeys(AXES, 1) | {"data": 8}
+    assert dict(make_mesh("", devices8[:4]).shape) == dict.fromkeys(AXES, 1) | {"data": 4}
 
 
 # ---- logical_to_spec ---------------------------------------------------------------------------

@@ -428,9 +428,10 @@ def init_source(cfg: TrainConfig, run_dir: str, init_from: str | None) -> Any:
 
 def _first_state(s: Session):
     """The function giving the first state when no restore tier holds one: the program's
-    init, or the --init-from folder's parameters around a fresh optimizer state."""
+    init (`fresh_state`), or the --init-from folder's parameters around a fresh optimizer
+    state."""
     if s.init_from is None:
-        return s.program.init
+        return lambda: fresh_state(s)
 
     def init() -> dict:
         from jaxpar.hf import load as hf_load
@@ -439,6 +440,20 @@ def _first_state(s: Session):
             return hf_load.initial_state(s.program, folder)
 
     return init
+
+
+def fresh_state(s: Session) -> dict:
+    """The program's initial state, its init program through the compiled-program cache: keyed
+    like the train step where all of it is jaxpar's own (`step_parts`), so a fresh run of a
+    layout and config the cache has seen neither traces, lowers nor compiles it; else keyed by
+    its lowered text."""
+    parts = step_parts(s, _abstract_batch(s))
+    if parts is None:
+        compiled, _ = compile_cache.compile(s.program.init.lower(), "init")
+    else:
+        key = ("init", *parts[1:])  # the train step's parts, another program
+        compiled, _ = compile_cache.compile_by_key("init", key, s.program.init.lower)
+    return compiled()
 
 
 _STARTS = itertools.count()  # names of the start's exchanges, unique within a process

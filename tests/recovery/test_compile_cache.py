@@ -5,6 +5,7 @@ that equals a cold start."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -226,6 +227,44 @@ def test_train_step_key_covers_the_config_and_leaves_out_a_recipes_own_code():
     )
     assert key("train.microbatches=2") != parts and key("train.seed=1") != parts
     assert key("train.steps=7") != key("train.steps=22")  # 22 > warmup + 1
+
+
+def test_a_fresh_runs_init_loads_from_the_cache_bitwise(cache):
+    """The first state of a fresh run (training.fresh_state): its init program stored at the
+    first run and loaded, not lowered, at the next; the state bitwise the program's own init."""
+    import jaxpar
+    from jaxpar.config import apply_overrides, resolve_recipe
+    from jaxpar.worker import training
+
+    cfg = apply_overrides(resolve_recipe("gpt_tiny"), ["model.n_layers=1", "model.d_model=64"])
+    s = jaxpar.build(cfg, "fsdp4_tp2")._loop_session()  # sharded parameters and moments
+    expected = jax.device_get(s.program.init())
+    before = compile_cache.stats()
+    first = jax.device_get(training.fresh_state(s))
+    stored = [n for n in os.listdir(cache) if n.startswith("init-")]
+    assert len(stored) == 1 and compile_cache.stats()["misses"] == before["misses"] + 1
+    lowered = []
+    program = dataclasses.replace(s.program, init=_counting(s.program.init, lowered))
+    again = jax.device_get(training.fresh_state(dataclasses.replace(s, program=program)))
+    assert compile_cache.stats()["hits"] == before["hits"] + 1 and lowered == []
+    for got in (first, again):
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _counting(jitted, calls: list):
+    """`jitted` whose lower() is counted in `calls`."""
+
+    class Counting:
+        def lower(self, *args):
+            calls.append(1)
+            return jitted.lower(*args)
+
+        def __call__(self, *args):
+            return jitted(*args)
+
+    return Counting()
 
 
 def test_spare_prebuilds_the_runs_model_from_its_config_json(tmp_path):

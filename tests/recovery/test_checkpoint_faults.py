@@ -2,7 +2,9 @@
 
 Every run is gpt_tiny made small (helpers.SMALL) for 30 steps with a save every 10 (the same compiled program, so one
 persistent compilation cache serves them all), compared with one uninterrupted reference run:
-losses must be identical (==) for every step, last metrics line per step.
+losses must be identical (==) for every step, last metrics line per step. The faults a run is
+resumed from are chained through one run directory (the `chain` fixture): each resume is checked
+where it trained, every line every incarnation logged equal to the reference's.
 
     python -m pytest tests/recovery/test_checkpoint_faults.py -m slow
 """
@@ -62,117 +64,166 @@ def test_reference_saves_report_blocking_time(reference):
         assert os.path.exists(f"{run_dir}/checkpoints/{step}/checksums.json")
 
 
-# A small model's step takes milliseconds: an asynchronous save of step 10 may still be in flight
-# when step 15 starts. Tests that need that save committed before the fault save synchronously
-# (the same losses: saving never changes the numbers).
-SYNC = ("--set", "ckpt.use_async=false")
+# ---- the faults that end a run and are resumed from, chained through one run directory ---------
+#
+# Each fault fires once per run directory, so one directory takes them one after another: every
+# run (an incarnation) of `python -m train` gets the faults of all stages, stops at the first one
+# that has not fired yet, and the next run restores from the newest good checkpoint and goes on
+# to the next. The order lets each stage find what its fault needs (a committed step before it,
+# a save in flight, ...); the tests below each check one stage, and every line every incarnation
+# logged is checked against the uninterrupted run (so each resume is exact where it trained).
+#
+#   inc 0  sigterm@13  steps 1-13, saves 10; the notice: saves 13 and exits EXIT_PREEMPTED
+#   inc 1  nan@15      restores 13, step 14, a NaN loss at 15: exits EXIT_NAN, saves nothing
+#   inc 2  kill@16     restores 13, steps 14-15, SIGKILL: nothing committed after 13
+#   inc 3  hang@17     restores 13, steps 14-16, hangs; killed with SIGKILL from outside
+#   inc 4  killsave@20 restores 13, steps 14-20, killed inside the commit of 20 (ckpt.keep=1)
+#   inc 5  corrupt@25 + kill@26: restores 13 (20 was never committed), saves 20, a byte of 20
+#          flipped at 25, SIGKILL at 26 (saves synchronous: 20 committed before 25)
+#   inc 6  20 fails its check: moved aside, restores 13, trains to 30 (saves 20 and 30 again)
+CHAIN = ["sigterm@13", "nan@15", "kill@16", "hang@17", "killsave@20", "corrupt@25", "kill@26"]
+RESUMED_AT = 13  # the step every incarnation after the first restores
 
 
-def test_kill_between_saves_resumes_exactly(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    ok(train(run_dir, *SYNC, faults=["kill@15"]), -signal.SIGKILL)
-    assert max(losses(run_dir)) == 14
-    (fired,) = events(run_dir, "fault_injected")
-    assert (fired["kind"], fired["step"], fired["process"]) == ("kill", 15, 0)
-    assert committed(run_dir) == [10]
-    ok(train(run_dir, faults=["kill@15"]))  # fired once: not again
-    (restore,) = events(run_dir, "restore")
-    assert (restore["step"], restore["incarnation"]) == (10, 1)
-    assert len(events(run_dir, "fault_injected")) == 1
-    assert_exact(run_dir, ref)
+def logged(run_dir, incarnation: int) -> dict[int, float]:
+    """step -> loss of the metrics lines one incarnation logged."""
+    lines = read_jsonl(f"{run_dir}/metrics.jsonl")
+    return {m["step"]: m["loss"] for m in lines if "loss" in m and m["incarnation"] == incarnation}
 
 
-def test_hang_then_external_sigkill_resumes_exactly(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    proc = start(cmd(run_dir, faults=["hang@15"]))
+@pytest.fixture(scope="module")
+def chain(reference, tmp_path_factory):
+    """The chained run directory and, per incarnation, its exit code and what its end left in
+    checkpoints/ (later incarnations change it)."""
+    run_dir = tmp_path_factory.mktemp("chain") / "run"
+    ends: list[dict] = []
+
+    def ended(code) -> None:
+        left = sorted(os.listdir(run_dir / "checkpoints"))
+        data = {d: bool(glob.glob(f"{run_dir}/checkpoints/{d}/state/ocdbt.process_0/d/*"))
+                for d in left if TMP_SUFFIX in d}  # fmt: skip
+        ends.append({"code": code, "committed": committed(run_dir), "left": left, "data": data})
+
+    for _ in range(3):  # sigterm, nan, kill
+        ended(train(run_dir, faults=CHAIN).returncode)
+    proc = start(cmd(run_dir, faults=CHAIN))
     try:
         deadline = time.time() + 600
-        while not events(run_dir, "fault_injected") and proc.poll() is None:
-            assert time.time() < deadline, "hang@15 never fired"
+        while not events(run_dir, "fault_injected", 3) and proc.poll() is None:
+            assert time.time() < deadline, "hang@17 never fired"
             time.sleep(0.2)
         time.sleep(2)
-        assert proc.poll() is None and max(losses(run_dir)) == 14  # alive, no progress
+        hung = {"alive": proc.poll() is None, "last": max(logged(run_dir, 3))}
         os.kill(proc.pid, signal.SIGKILL)  # a real kill -9 from outside
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        ended(proc.wait(timeout=60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    ok(train(run_dir, faults=["hang@15"]))  # fired once: no hang this time
-    assert len(events(run_dir, "fault_injected")) == 1
-    assert events(run_dir, "restore")[0]["step"] == 10
+    ends[3].update(hung)
+    # step 13 may go only once a newer step has committed
+    ended(train(run_dir, "--set", "ckpt.keep=1", faults=CHAIN).returncode)
+    # saved synchronously: a small model's step takes milliseconds, and an asynchronous save of
+    # 20 may still be in flight when step 25 starts (the same losses: saving changes no number)
+    ended(train(run_dir, "--set", "ckpt.use_async=false", faults=CHAIN).returncode)
+    ended(train(run_dir, faults=CHAIN).returncode)
+    return run_dir, ends
+
+
+def fired(run_dir, incarnation: int) -> list[tuple]:
+    return [(e["kind"], e["step"], e["process"])
+            for e in events(run_dir, "fault_injected", incarnation)]  # fmt: skip
+
+
+def restored(run_dir, incarnation: int) -> dict:
+    (restore,) = events(run_dir, "restore", incarnation)
+    return restore
+
+
+def test_every_incarnation_logs_the_uninterrupted_losses_and_each_fault_fires_once(
+    reference, chain
+):
+    _, ref = reference
+    run_dir, ends = chain
+    assert [e["code"] for e in ends] == [EXIT_PREEMPTED, EXIT_NAN, -signal.SIGKILL,
+                                         -signal.SIGKILL, -signal.SIGKILL, -signal.SIGKILL, 0]  # fmt: skip
+    specs = [e["spec"] for e in events(run_dir, "fault_injected")]
+    assert sorted(specs) == sorted(CHAIN)  # each once, in whichever incarnation reached it
+    for inc in range(1, len(ends)):  # each restore trains on from the step after it
+        got = logged(run_dir, inc)
+        assert restored(run_dir, inc)["step"] == RESUMED_AT == min(got) - 1, inc
+        assert got == {s: ref[s] for s in got}, f"incarnation {inc} differs: {got}"
+    assert logged(run_dir, 0) == {s: ref[s] for s in range(1, RESUMED_AT + 1)}
     assert_exact(run_dir, ref)
 
 
-def test_kill_during_save_restores_previous_committed_step(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    keep1 = ("--set", "ckpt.keep=1")  # step 10 may go only once a newer step has committed
-    ok(train(run_dir, *keep1, faults=["killsave@20"]), -signal.SIGKILL)
-    (fired,) = events(run_dir, "fault_injected")
-    assert (fired["kind"], fired["step"]) == ("killsave", 20)
-    # arrays of step 20 written, never committed: only the tmp folder is left, 10 is kept
-    assert committed(run_dir) == [10]
-    left = os.listdir(run_dir / "checkpoints")
-    tmp = [d for d in left if TMP_SUFFIX in d]
-    assert tmp and all(d.startswith("20") for d in tmp), left
-    assert glob.glob(f"{run_dir}/checkpoints/{tmp[0]}/state/ocdbt.process_0/d/*")  # data written
-    ok(train(run_dir, *keep1, faults=["killsave@20"]))
-    assert len(events(run_dir, "fault_injected")) == 1  # once per run directory
+def test_sigterm_saves_exits_preempted_and_resumes_exactly(chain):
+    run_dir, ends = chain
+    assert ends[0]["code"] == EXIT_PREEMPTED
+    (pre,) = events(run_dir, "preempted")
+    assert (pre["step"], pre["incarnation"]) == (13, 0)  # the notice came before 13; it
+    assert ends[0]["committed"] == [10, 13]  # finished, then saved
+    assert fired(run_dir, 0) == [("sigterm", 13, 0)]
+    assert restored(run_dir, 1)["step"] == 13  # (the losses: the first test)
+
+
+def test_nan_exits_44_saves_nothing_after_and_fires_once(chain):
+    run_dir, ends = chain
+    assert ends[1]["code"] == EXIT_NAN
+    (bad,) = events(run_dir, "nonfinite")
+    assert (bad["step"], bad["incarnation"]) == (15, 1)
+    assert ends[1]["committed"] == [10, 13]  # the NaN state (or the one before it) not saved
+    assert max(logged(run_dir, 1)) == 14
+    assert fired(run_dir, 1) == [("nan", 15, 0)]  # not again in incarnations 2-6
+    assert restored(run_dir, 2)["step"] == 13
+
+
+def test_kill_between_saves_resumes_exactly(chain):
+    run_dir, ends = chain
+    assert ends[2]["code"] == -signal.SIGKILL
+    assert max(logged(run_dir, 2)) == 15
+    assert fired(run_dir, 2) == [("kill", 16, 0)]
+    assert ends[2]["committed"] == [10, 13]
+    assert (restored(run_dir, 3)["step"], restored(run_dir, 3)["incarnation"]) == (13, 3)
+
+
+def test_hang_then_external_sigkill_resumes_exactly(chain):
+    run_dir, ends = chain
+    assert fired(run_dir, 3) == [("hang", 17, 0)]
+    assert ends[3]["alive"] and ends[3]["last"] == 16  # alive 2 s after, no progress
+    assert ends[3]["code"] == -signal.SIGKILL
+    assert restored(run_dir, 4)["step"] == 13  # and no hang in incarnation 4
+
+
+def test_kill_during_save_restores_previous_committed_step(chain):
+    run_dir, ends = chain
+    assert ends[4]["code"] == -signal.SIGKILL
+    assert fired(run_dir, 4) == [("killsave", 20, 0)]
+    # arrays of step 20 written, never committed: only the tmp folder is left; 13 is kept, and
+    # so is 10 (under keep=1 a step goes only once a newer one has committed)
+    assert ends[4]["committed"] == [10, 13]
+    tmp = [d for d in ends[4]["left"] if TMP_SUFFIX in d]
+    assert tmp and all(d.startswith("20") for d in tmp), ends[4]
+    assert ends[4]["data"][tmp[0]]  # data written
     (ignored,) = events(run_dir, "uncommitted_ignored")
-    assert ignored["dirs"] == tmp
-    assert events(run_dir, "restore")[0]["step"] == 10
-    assert committed(run_dir) == [30]
+    assert (ignored["dirs"], ignored["incarnation"]) == (tmp, 5)
+    assert restored(run_dir, 5)["step"] == 13
     assert not [d for d in os.listdir(run_dir / "checkpoints") if TMP_SUFFIX in d]
-    assert_exact(run_dir, ref)
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    faults = ["corrupt@25", "kill@26"]
-    ok(train(run_dir, *SYNC, faults=faults), -signal.SIGKILL)  # 20 committed before step 25
-    assert [e["kind"] for e in events(run_dir, "fault_injected")] == ["corrupt", "kill"]
-    ok(train(run_dir, faults=faults))
-    assert len(events(run_dir, "fault_injected")) == 2
+def test_corrupt_newest_checkpoint_falls_back_to_previous(chain):
+    run_dir, ends = chain
+    assert ends[5]["code"] == -signal.SIGKILL
+    assert fired(run_dir, 5) == [("corrupt", 25, 0), ("kill", 26, 0)]
+    assert ends[5]["committed"] == [10, 13, 20]  # 20 committed before 25
     (bad,) = events(run_dir, "checkpoint_corrupt")
     # orbax zstd-compresses chunks: a flipped byte either decodes to wrong bits (the checksums
     # see it) or breaks the frame (a read error); both must fall back
     assert bad["step"] == 20 and bad["reason"].startswith(("checksum mismatch", "read")), bad
-    (restore,) = events(run_dir, "restore")
-    assert (restore["step"], restore["skipped_corrupt"]) == (10, [20])
+    restore = restored(run_dir, 6)
+    assert (restore["step"], restore["skipped_corrupt"]) == (13, [20])
     assert glob.glob(f"{run_dir}/checkpoints/20{CORRUPT_SUFFIX}-*")  # moved aside, not deleted
-    assert committed(run_dir) == [10, 20, 30]  # 20 saved again
-    assert_exact(run_dir, ref)
-
-
-def test_sigterm_saves_exits_preempted_and_resumes_exactly(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    ok(train(run_dir, faults=["sigterm@13"]), EXIT_PREEMPTED)
-    (pre,) = events(run_dir, "preempted")
-    assert pre["step"] == 13  # the notice came before step 13; it finished, then saved
-    assert committed(run_dir) == [10, 13]
-    ok(train(run_dir, faults=["sigterm@13"]))
-    assert len(events(run_dir, "fault_injected")) == 1
-    assert events(run_dir, "restore")[0]["step"] == 13
-    assert_exact(run_dir, ref)
-
-
-def test_nan_exits_44_saves_nothing_after_and_fires_once(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    ok(train(run_dir, "--set", "ckpt.every=3", faults=["nan@5"]), EXIT_NAN)
-    (bad,) = events(run_dir, "nonfinite")
-    assert bad["step"] == 5
-    assert committed(run_dir) == [3]
-    assert max(losses(run_dir)) == 4
-    ok(train(run_dir, "--set", "ckpt.every=3", faults=["nan@5"]))
-    assert len(events(run_dir, "fault_injected")) == 1
-    assert events(run_dir, "restore")[0]["step"] == 3
-    assert_exact(run_dir, ref)
+    assert ends[6]["committed"] == [13, 20, 30]  # 20 saved again (keep=3)
 
 
 def test_diverged_replica_is_reported_and_repeat_fires_every_incarnation(tmp_path):

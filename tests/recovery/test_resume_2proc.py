@@ -5,7 +5,8 @@ point is the processes, not the model); a `slow` fault on process 0 paces both w
 every STRAGGLE_S seconds from the step where a signal is sent, so that it lands between two saves.
 Runs are STEPS = 12 steps with a save every 6: a signal after the first save, a restore, a save
 after it and steps on both sides of each (more steps would only repeat them; a step of this job
-costs ~0.3 CPU-s).
+costs ~0.3 CPU-s). The SIGKILL and the SIGTERM are sent in two runs of one run directory, the
+second resumed from the first's checkpoint, the third from the second's.
 
 Workers are forked from the tests' preloaded pool (tests/support/forkserver.py) with the
 environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxpar.rundir.runlog import read_jsonl
 from jaxpar.worker.bootstrap import EXIT_PREEMPTED
 from tests.support import forkserver
 from tests.support.helpers import SMALL, assert_exact, cpu_env, events, losses
@@ -130,9 +132,21 @@ def reference(tmp_path_factory):
     return ref
 
 
-def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
+def logged(run_dir, incarnation: int) -> dict[int, float]:
+    """step -> loss of the metrics lines one incarnation logged."""
+    lines = read_jsonl(f"{run_dir}/metrics.jsonl")
+    return {m["step"]: m["loss"] for m in lines if "loss" in m and m["incarnation"] == incarnation}
+
+
+def test_sigkill_then_sigterm_to_one_worker_resume_exactly(reference, tmp_path):
+    """One run directory, three runs of the job: a real SIGKILL of worker 1 between saves (the
+    survivor fails; the rerun restores the last save), then a SIGTERM to worker 1 only (both
+    save the same step and exit preempted; the rerun restores that step). Every line each
+    incarnation logged equals the uninterrupted run's."""
     run_dir = tmp_path / "run"
-    pair = Pair(run_dir, faults=[f"slow@{EVERY + 2}:process=0:seconds={STRAGGLE_S}"])
+    # paced from step EVERY + 2 in both faulted runs (`repeat`: in every incarnation)
+    slow = [f"slow@{EVERY + 2}:process=0:seconds={STRAGGLE_S}:repeat"]
+    pair = Pair(run_dir, faults=slow)
     pair.wait_for(lambda: committed(run_dir) == [EVERY] and max(losses(run_dir) or [0]) > EVERY)
     os.kill(pair.procs[1].pid, signal.SIGKILL)  # a real kill -9 of worker 1, between saves
     try:
@@ -144,16 +158,11 @@ def test_sigkill_of_one_worker_then_rerun_is_exact(reference, tmp_path):
     assert survivor not in (None, 0), f"the survivor should have failed:\n{pair.tail()}"
     killed_at = max(losses(run_dir))
     assert EVERY < killed_at < STEPS and committed(run_dir) == [EVERY]
-    run_pair(run_dir)
-    (restore,) = events(run_dir, "restore")
+
+    pair = Pair(run_dir, faults=slow)
+    pair.wait_for(lambda: max(logged(run_dir, 1) or [0]) > EVERY)
+    (restore,) = events(run_dir, "restore", 1)
     assert (restore["step"], restore["from_nproc"], restore["to_nproc"]) == (EVERY, 2, 2)
-    assert_exact(run_dir, reference)
-
-
-def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path):
-    run_dir = tmp_path / "run"
-    pair = Pair(run_dir, faults=[f"slow@{EVERY + 2}:process=0:seconds={STRAGGLE_S}"])
-    pair.wait_for(lambda: max(losses(run_dir) or [0]) > EVERY)
     os.kill(pair.procs[1].pid, signal.SIGTERM)  # the preemption notice, to worker 1 only
     codes = pair.wait()
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], f"{codes}:\n{pair.tail()}"
@@ -161,8 +170,13 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_both(reference, tmp_path):
     assert sorted(e["process"] for e in pre) == [0, 1]
     (step,) = {e["step"] for e in pre}
     assert EVERY < step < STEPS and step in committed(run_dir)
+
     run_pair(run_dir)
-    assert events(run_dir, "restore")[0]["step"] == step
+    assert events(run_dir, "restore", 2)[0]["step"] == step
+    for inc in (1, 2):  # each restore trained on exactly
+        got = logged(run_dir, inc)
+        assert min(got) == (EVERY, step)[inc - 1] + 1
+        assert got == {s: reference[s] for s in got}, f"incarnation {inc}: {got}"
     assert_exact(run_dir, reference)
 
 

@@ -1,5 +1,6 @@
-"""End to end on a prepared corpus: train gpt_tiny on token shards (dp8, fsdp2 x tp4), resume
-after a kill bitwise, read it from 2 processes, sample and export; a user's own source."""
+"""End to end on a prepared corpus: train gpt_tiny on token shards (fsdp2 x tp4), resume after a
+kill bitwise, read it from 2 processes, sample and export the resumed run; a user's own source
+(on the default dp8 mesh)."""
 
 from __future__ import annotations
 
@@ -35,22 +36,10 @@ def tokens_cmd(run_dir, corpus, *args, steps=STEPS, faults=()):
 
 
 @pytest.fixture(scope="module")
-def dp8_run(tokens_corpus, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tokens-dp8") / "run"
-    ok(run(tokens_cmd(run_dir, tokens_corpus, "--mesh", "dp8")))
-    return run_dir
-
-
-def test_trains_on_tokens_with_the_vocabulary_of_meta_json(dp8_run):
-    config = json.load(open(dp8_run / "config.json"))
-    assert config["model"]["vocab_size"] == 512 and config["data"]["source"] == "tokens"
-    got = losses(dp8_run)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert got[STEPS] < got[1] - 0.3, got
-
-
-def test_fsdp_tp_kill_and_resume_is_bitwise_identical(tokens_corpus, tmp_path):
-    run_dir = tmp_path / "run"
+def tokens_run(tokens_corpus, tmp_path_factory):
+    """gpt_tiny trained 12 steps on the token shards on data=1,fsdp=2,tensor=4, killed at step 9
+    and resumed (the run directory the tests below read: its losses, a sample, an export)."""
+    run_dir = tmp_path_factory.mktemp("tokens-fsdp-tp") / "run"
     # without the local snapshot tier: the resume starts from the step-6 checkpoint, so steps 7
     # and 8 are computed twice, once before the kill and once after (saved synchronously: the
     # small model's steps are milliseconds, and an asynchronous save could be in flight at 9)
@@ -58,25 +47,41 @@ def test_fsdp_tp_kill_and_resume_is_bitwise_identical(tokens_corpus, tmp_path):
                      "--set", "ckpt.use_async=false", faults=["kill@9"])  # fmt: skip
     # the tests' fast-compiling XLA flags (helpers.cpu_env): 18 steps of this program cost less
     # than its optimised compilation (~10 CPU-s of the two runs' 21 with XLA_OPT_FLAGS)
-    ok(run(cmd), -signal.SIGKILL)
+    killed = run(cmd).returncode
     ok(run(cmd))  # the fault fired once; resumes from the step-6 checkpoint
+    return run_dir, killed
+
+
+def test_trains_on_tokens_with_the_vocabulary_of_meta_json(tokens_run):
+    run_dir, _ = tokens_run
+    config = json.load(open(run_dir / "config.json"))
+    assert config["model"]["vocab_size"] == 512 and config["data"]["source"] == "tokens"
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got[STEPS] < got[1] - 0.3, got
+
+
+def test_fsdp_tp_kill_and_resume_is_bitwise_identical(tokens_run):
+    run_dir, killed = tokens_run
+    assert killed == -signal.SIGKILL
     lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     first = {m["step"]: m["loss"] for m in lines if m["incarnation"] == 0}
     second = {m["step"]: m["loss"] for m in lines if m["incarnation"] == 1}
     assert sorted(first) == list(range(1, 9)) and sorted(second) == list(range(7, STEPS + 1))
     assert [first[s] for s in (7, 8)] == [second[s] for s in (7, 8)]  # bitwise, same mesh
-    assert second[STEPS] < first[1] - 0.3
 
 
-def test_two_processes_read_the_same_global_batches(dp8_run, tokens_corpus, tmp_path):
-    """2 processes x 4 devices each read their half of every batch: the losses are those of the
-    one-process run (any missing, repeated or swapped row would change them)."""
+def test_two_processes_read_the_same_global_batches(tokens_run, tokens_corpus, tmp_path):
+    """2 processes x 4 devices each read their half of every batch (fsdp=2: one half per
+    process): the losses are those of the one-process run (any missing, repeated or swapped row
+    would change them)."""
     run_dir = tmp_path / "run"
-    worker = tokens_cmd(run_dir, tokens_corpus, "--mesh", "dp8", "--set", "ckpt.every=0", steps=3)
+    worker = tokens_cmd(run_dir, tokens_corpus, "--mesh", FSDP_TP, "--set", "ckpt.every=0",
+                        steps=3)  # fmt: skip
     launch = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2",
               "--devices-per-proc", "4", "--run-dir", str(run_dir), "--", *worker]  # fmt: skip
     ok(run(launch, env=cpu_env(devices=None)))
-    two, one = losses(run_dir), losses(dp8_run)
+    two, one = losses(run_dir), losses(tokens_run[0])
     assert sorted(two) == [1, 2, 3]
     np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=1e-5)
 
@@ -86,9 +91,9 @@ def jaxpar(*args: str) -> str:
     return ok(run(cmd, env=cpu_env(devices=1), timeout=600)).stdout
 
 
-def test_greedy_sample_is_deterministic_and_continues_the_prompt(dp8_run):
+def test_greedy_sample_is_deterministic_and_continues_the_prompt(tokens_run):
     prompt = "def dumps(obj"
-    args = ["sample", str(dp8_run), "--prompt", prompt, "--temperature", "0",
+    args = ["sample", str(tokens_run[0]), "--prompt", prompt, "--temperature", "0",
             "--max-new-tokens", "20"]  # fmt: skip
     first = jaxpar(*args)
     assert first == jaxpar(*args)
@@ -96,11 +101,12 @@ def test_greedy_sample_is_deterministic_and_continues_the_prompt(dp8_run):
     assert first.startswith(prompt) and len(first) > len(prompt)
 
 
-def test_exported_parameters_give_the_checkpoints_eval_loss(dp8_run, tokens_corpus, tmp_path):
+def test_exported_parameters_give_the_checkpoints_eval_loss(tokens_run, tokens_corpus, tmp_path):
     from jaxpar.tools.export import config_path, load_model
 
+    run_dir, _ = tokens_run
     out = str(tmp_path / "gpt.safetensors")
-    jaxpar("export", str(dp8_run), "--out", out)
+    jaxpar("export", str(run_dir), "--out", out)
     meta = json.load(open(config_path(out)))
     assert meta["step"] == STEPS and meta["model"]["vocab_size"] == 512
     from safetensors.numpy import load_file
@@ -116,7 +122,7 @@ def test_exported_parameters_give_the_checkpoints_eval_loss(dp8_run, tokens_corp
         batch = data_lib.global_batch(source, step=i, global_batch=32, seed=0, split="eval")
         logits = forward(batch["inputs"]).astype(np.float32)
         got.append(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean())
-    (logged,) = [m["eval_loss"] for m in read_jsonl(dp8_run / "metrics.jsonl") if "eval_loss" in m]
+    (logged,) = [m["eval_loss"] for m in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in m]
     np.testing.assert_allclose(float(np.mean(got)), logged, rtol=1e-5)
 
 

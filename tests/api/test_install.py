@@ -53,16 +53,19 @@ def venv(tmp_path_factory) -> Path:
     )  # fmt: skip
     (wheel,) = wheels.glob("jaxpar-*.whl")
     env_dir = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)],
-                   check=True, timeout=300, env=_env())  # fmt: skip
+    # Without a pip of its own (ensurepip installing one costs more than the rest of the
+    # fixture): this interpreter's pip installs into it, run by the venv's own python
+    # (`pip --python`), as the venv's pip would.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(env_dir)], check=True, timeout=300, env=_env())  # fmt: skip
     # Inside a virtual environment, `--system-site-packages` means the *base* interpreter's
     # packages, which lack jax: the new venv also sees this interpreter's own site-packages (a
     # plain path list in a .pth file: appended after the venv's own, so the wheel wins).
     (site_dir,) = (env_dir / "lib").glob("python3*/site-packages")
     (site_dir / "outer-site-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
-                    "--force-reinstall",
-                    str(wheel)], check=True, timeout=600, capture_output=True, env=_env())  # fmt: skip
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
+                    "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+                   check=True, timeout=600, capture_output=True, env=_env())  # fmt: skip
     return env_dir
 
 

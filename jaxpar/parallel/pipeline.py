@@ -20,16 +20,19 @@ microbatch through one of the stage's layer groups, its input-gradient backward 
 weight-gradient backward (W), or idle. The p·v layer groups are dealt round the stages (group
 g = c·p + s is chunk c of stage s; v = pipeline.repeats, 1 but for circular and interleaved).
 
-The executor is one `lax.scan` over the table's ticks inside one `shard_map`: each tick every
-stage `lax.switch`es on its table entry, then `ppermute`s its forward output one stage on and its
-input gradient one stage back. The backward is written per microbatch, not taken by autodiff of
-the loop: F runs `jax.vjp` of the group and stores the pullback's residuals; B and W call the
-pullback from them (B keeps the input gradient, W the weight gradient, which it adds up).
-Residuals, received activations and received gradients live in buffers of `slots` entries per
-layer group, indexed by microbatch mod slots, where `slots` (from the table) is the most
-microbatches ever live at once: m for gpipe and circular, p for 1f1b and zero_bubble, whatever m
-is. That bound is the point of 1F1B: activation memory no longer grows with m, the number that
-shrinks the bubble.
+The executor is one `lax.scan` over the table's ticks inside one `shard_map`: each tick every stage
+`lax.switch`es on its table entry, then `ppermute`s its forward output one stage on and its input
+gradient one stage back. The switch has four branches, idle, F, B and W, so that each is compiled
+once: the first stage's F input (the embedded microbatch) is chosen, and its B output kept, outside
+the switch, and the last stage's F runs the head and loss in a `lax.cond` of its own (with three
+copies of each, compiling a step for the CPU took 1.4x as long). The backward is written per
+microbatch, not taken by autodiff of the loop: F runs `jax.vjp` of the group and stores the
+pullback's residuals; B and W call the pullback from them (B keeps the input gradient, W the weight
+gradient, which it adds up). Residuals, received activations and received gradients live in buffers
+of `slots` entries per layer group, indexed by microbatch mod slots, where `slots` (from the table)
+is the most microbatches ever live at once: m for gpipe and circular, p for 1f1b and zero_bubble,
+whatever m is. That bound is the point of 1F1B: activation memory no longer grows with m, the number
+that shrinks the bubble.
 
 The embedding runs before the loop, outside the shard_map, automatically sharded; stage 0's F
 takes its microbatch of the embedded batch and its B keeps the gradient of it, which goes back
@@ -475,51 +478,54 @@ def _execute(
         return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
     # A work item maps one slot's inputs to its outputs: (residuals, activation sent on, loss
-    # gradient kept, gradient sent back, embedded-input gradient kept, loss, head gradients,
+    # gradient kept, gradient sent back (kept instead on the first group), loss, head gradients,
     # group weight gradients). The buffers are read before the switch and written after it: a
     # switch that carried them through copied every buffer at every tick (time per tick growing
     # with the slots, so with m for gpipe).
-    def out(res=None, send_f=zero_x, g=zero_x, send_b=zero_x, gx=zero_x, loss=zero_loss,
-            grest=None, gw=None):  # fmt: skip
-        return (zero_res if res is None else res, send_f, g, send_b, gx, loss,
+    def out(res=None, send_f=zero_x, g=zero_x, send_b=zero_x, loss=zero_loss, grest=None,
+            gw=None):  # fmt: skip
+        return (zero_res if res is None else res, send_f, g, send_b, loss,
                 zero_rest if grest is None else f32(grest), zero_gw if gw is None else f32(gw))  # fmt: skip
 
-    def idle(w_K, c, i, x_slot, x_first, res, g_slot):
+    # F_FIRST is F on the embedded microbatch, F_LAST is F followed by the head and the loss (a
+    # branch within the branch), B_FIRST is B keeping its input gradient: the input is chosen,
+    # and the output routed, outside the switch, so that the group's forward is compiled once and
+    # its backward twice (B, W), not three times each.
+    def idle(w_K, c, i, x_in, res, g_slot, last):
         return out()
 
-    def f_mid(w_K, c, i, x_slot, x_first, res, g_slot):
-        y_BTD, res = forward(w_K, x_slot, c, i)
-        return out(res=res, send_f=y_BTD)
-
-    def f_first(w_K, c, i, x_slot, x_first, res, g_slot):
-        y_BTD, res = forward(w_K, x_first, c, i)
-        return out(res=res, send_f=y_BTD)
-
-    def f_last(w_K, c, i, x_slot, x_first, res, g_slot):
-        y_BTD, res = forward(w_K, x_slot, c, i)
+    def head(y_BTD, i):
         loss, (g_rest, g_BTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest, y_BTD, i)
-        return out(res=res, g=g_BTD, loss=loss, grest=g_rest)
+        return loss, f32(g_rest), g_BTD.astype(zero_x.dtype)
 
-    def b_mid(w_K, c, i, x_slot, x_first, res, g_slot):
+    def no_head(y_BTD, i):
+        return zero_loss, zero_rest, zero_x
+
+    def fwd(w_K, c, i, x_in, res, g_slot, last):
+        y_BTD, res = forward(w_K, x_in, c, i)
+        loss, g_rest, g_BTD = lax.cond(last, head, no_head, y_BTD, i)
+        return out(res=res, send_f=y_BTD, g=g_BTD, loss=loss, grest=g_rest)
+
+    def bwd(w_K, c, i, x_in, res, g_slot, last):
         return out(send_b=pullback(w_K, res)(g_slot)[1])
 
-    def b_first(w_K, c, i, x_slot, x_first, res, g_slot):
-        return out(gx=pullback(w_K, res)(g_slot)[1])
-
-    def weight_grad(w_K, c, i, x_slot, x_first, res, g_slot):
+    def weight_grad(w_K, c, i, x_in, res, g_slot, last):
         per_layer = pullback(w_K, res)(g_slot)[0]
         return out(gw=jax.tree.map(lambda *g: jnp.stack(g), *per_layer))
 
-    branches = [idle, f_mid, f_first, f_last, b_mid, b_first, weight_grad]
-    assert len(branches) == W + 1
+    branches = [idle, fwd, bwd, weight_grad]
+    # the table's work item -> its branch
+    branch_of = jnp.asarray([0, 1, 1, 1, 2, 2, 3], jnp.int32)
+    assert len(branch_of) == W + 1
 
     def tick(st, t):
         branch, c, slot, i = (tables["op"][t, stage, j] for j in range(4))
         res_slot = [r[c, slot] for r in st["res"]]
         g_slot, gx_i = st["g"][c, slot], st["gx"][i]
         w_K = jax.tree.map(lambda a: a[c], w_VK)
-        res, send_f, g_new, send_b, gx_new, loss, grest, gw = lax.switch(
-            branch, branches, w_K, c, i, st["x"][c, slot], x_MBTD[i], res_slot, g_slot
+        x_in = jnp.where(branch == F_FIRST, x_MBTD[i], st["x"][c, slot])
+        res, send_f, g_new, send_b, loss, grest, gw = lax.switch(
+            branch_of[branch], branches, w_K, c, i, x_in, res_slot, g_slot, branch == F_LAST
         )
         ran_f = (branch == F) | (branch == F_FIRST) | (branch == F_LAST)
         st = {
@@ -528,7 +534,7 @@ def _execute(
                     for a, r, old in zip(st["res"], res, res_slot, strict=True)],
             "g": put(st["g"], c, slot, jnp.where(branch == F_LAST, g_new, g_slot)),
             "gx": lax.dynamic_update_index_in_dim(
-                st["gx"], jnp.where(branch == B_FIRST, gx_new, gx_i), i, 0),
+                st["gx"], jnp.where(branch == B_FIRST, send_b, gx_i), i, 0),
             "loss": st["loss"] + loss,
             "grest": jax.tree.map(jnp.add, st["grest"], grest),
             "gw": jax.tree.map(lambda a, g: a.at[c].add(g), st["gw"], gw),

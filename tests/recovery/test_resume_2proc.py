@@ -1,12 +1,13 @@
-"""Two processes x 4 CPU devices under jax.distributed (gloo): exact resume after a real SIGKILL
+"""Two processes x 2 CPU devices under jax.distributed (gloo): exact resume after a real SIGKILL
 of one worker, a coordinated preemption save after SIGTERM to one worker, and the replica check
 catching one process's diverged parameters. The model is helpers.SMALL (gpt_tiny made smaller: the
 point is the processes, not the model); a `slow` fault on process 0 paces both workers at one step
 every STRAGGLE_S seconds from the step where a signal is sent, so that it lands between two saves.
-Runs are STEPS = 12 steps with a save every 6: a signal after the first save, a restore, a save
-after it and steps on both sides of each (more steps would only repeat them; a step of this job
-costs ~0.3 CPU-s). The SIGKILL and the SIGTERM are sent in two runs of one run directory, the
-second resumed from the first's checkpoint, the third from the second's.
+Runs are STEPS = 10 steps with a save every 5: a signal after the first save, a restore, a save
+after it and steps on both sides of each (more steps would only repeat them). Two devices per
+process: the point is the processes (2 x 4 devices cost about 1.5x the CPU). The SIGKILL and the
+SIGTERM are sent in two runs of one run directory, the second resumed from the first's
+checkpoint, the third from the second's.
 
 Workers are forked from the tests' preloaded pool (tests/support/forkserver.py) with the
 environment `jaxpar launch` gives them (JAXPAR_COORDINATOR,
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EXIT_REPLICA = 45  # train/__main__.py
 STRAGGLE_S = 2.0  # process 0 sleeps this long before every step from the `slow` fault's step
-STEPS, EVERY = 12, 6
+STEPS, EVERY = 10, 5
 
 
 def free_port() -> int:
@@ -65,7 +66,7 @@ class Pair:
             env = cpu_env(devices=None)  # the tests' flags and the session's compile caches
             env.update(
                 JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
-                JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="4",
+                JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i), JAXPAR_DEVICES_PER_PROC="2",
                 JAXPAR_HEARTBEAT_TIMEOUT_S="10",
             )  # fmt: skip
             log = open(run_dir.parent / f"{run_dir.name}.p{i}.{time.time():.0f}.log", "w")
@@ -182,9 +183,10 @@ def test_sigkill_then_sigterm_to_one_worker_resume_exactly(reference, tmp_path):
 
 def test_diverged_replica_on_one_process_is_reported(tmp_path):
     run_dir = tmp_path / "run"
-    run_pair(run_dir, faults=["diverge@5:process=1"], expect=(EXIT_REPLICA, EXIT_REPLICA))
+    diverge = f"diverge@{EVERY - 1}:process=1"  # caught by the save after it
+    run_pair(run_dir, faults=[diverge], expect=(EXIT_REPLICA, EXIT_REPLICA))
     (fired,) = events(run_dir, "fault_injected")
-    assert (fired["kind"], fired["process"], fired["step"]) == ("diverge", 1, 5)
+    assert (fired["kind"], fired["process"], fired["step"]) == ("diverge", 1, EVERY - 1)
     (bad,) = events(run_dir, "replica_mismatch")
     assert (bad["when"], bad["step"]) == ("save", EVERY)
     assert EVERY not in committed(run_dir)

@@ -80,9 +80,13 @@ def test_reference_saves_report_blocking_time(reference):
 #   inc 4  killsave@20 restores 13, steps 14-20, killed inside the commit of 20 (ckpt.keep=1)
 #   inc 5  corrupt@25 + kill@26: restores 13 (20 was never committed), saves 20, a byte of 20
 #          flipped at 25, SIGKILL at 26 (saves synchronous: 20 committed before 25)
-#   inc 6  20 fails its check: moved aside, restores 13, trains to 30 (saves 20 and 30 again)
+#   inc 6  20 fails its check: moved aside, restores 13; 5 s per step from 14 (the 17 steps
+#          left take > 85 s however fast the machine) under run.max_wall_s=60: the limit strikes
+#          mid-run, it saves that step and exits cleanly (20 is saved again on the way, or in 7)
+#   inc 7  restores the step the limit saved, trains to 30
 CHAIN = ["sigterm@13", "nan@15", "kill@16", "hang@17", "killsave@20", "corrupt@25", "kill@26"]
-RESUMED_AT = 13  # the step every incarnation after the first restores
+SLOW = "slow@14:seconds=5"  # inc 6 and 7 only (fires once: not in 7)
+RESUMED_AT = 13  # the step incarnations 1-6 restore
 
 
 def logged(run_dir, incarnation: int) -> dict[int, float]:
@@ -126,7 +130,8 @@ def chain(reference, tmp_path_factory):
     # saved synchronously: a small model's step takes milliseconds, and an asynchronous save of
     # 20 may still be in flight when step 25 starts (the same losses: saving changes no number)
     ended(train(run_dir, "--set", "ckpt.use_async=false", faults=CHAIN).returncode)
-    ended(train(run_dir, faults=CHAIN).returncode)
+    ended(train(run_dir, "--set", "run.max_wall_s=60", faults=[*CHAIN, SLOW]).returncode)
+    ended(train(run_dir, faults=[*CHAIN, SLOW]).returncode)
     return run_dir, ends
 
 
@@ -145,13 +150,15 @@ def test_every_incarnation_logs_the_uninterrupted_losses_and_each_fault_fires_on
 ):
     _, ref = reference
     run_dir, ends = chain
-    assert [e["code"] for e in ends] == [EXIT_PREEMPTED, EXIT_NAN, -signal.SIGKILL,
-                                         -signal.SIGKILL, -signal.SIGKILL, -signal.SIGKILL, 0]  # fmt: skip
+    killed = -signal.SIGKILL
+    assert [e["code"] for e in ends] == [EXIT_PREEMPTED, EXIT_NAN, *[killed] * 4, 0, 0]
     specs = [e["spec"] for e in events(run_dir, "fault_injected")]
-    assert sorted(specs) == sorted(CHAIN)  # each once, in whichever incarnation reached it
+    assert sorted(specs) == sorted([*CHAIN, SLOW])  # each once, in whichever run reached it
+    (limit,) = events(run_dir, "wall_time_limit")
     for inc in range(1, len(ends)):  # each restore trains on from the step after it
         got = logged(run_dir, inc)
-        assert restored(run_dir, inc)["step"] == RESUMED_AT == min(got) - 1, inc
+        want = RESUMED_AT if inc < 7 else limit["step"]
+        assert restored(run_dir, inc)["step"] == want == min(got) - 1, inc
         assert got == {s: ref[s] for s in got}, f"incarnation {inc} differs: {got}"
     assert logged(run_dir, 0) == {s: ref[s] for s in range(1, RESUMED_AT + 1)}
     assert_exact(run_dir, ref)
@@ -223,7 +230,22 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(chain):
     restore = restored(run_dir, 6)
     assert (restore["step"], restore["skipped_corrupt"]) == (13, [20])
     assert glob.glob(f"{run_dir}/checkpoints/20{CORRUPT_SUFFIX}-*")  # moved aside, not deleted
-    assert ends[6]["committed"] == [13, 20, 30]  # 20 saved again (keep=3)
+    again = [e["step"] for e in events(run_dir, "save_end") if e["incarnation"] >= 6]
+    assert 20 in again and 20 in ends[7]["committed"]  # 20 saved again
+
+
+def test_wall_time_limit_saves_and_exits_cleanly(chain):
+    run_dir, ends = chain
+    assert ends[6]["code"] == 0 and events(run_dir, "done", 6)
+    assert fired(run_dir, 6) == [("slow", 14, 0)]
+    (limit,) = events(run_dir, "wall_time_limit")
+    assert limit["incarnation"] == 6
+    assert RESUMED_AT < limit["step"] < STEPS, "startup took the whole limit: no step to check"
+    assert limit["step"] in ends[6]["committed"]
+    assert max(logged(run_dir, 6)) == limit["step"]
+    assert fired(run_dir, 7) == []  # fired once: no slow steps in incarnation 7
+    assert restored(run_dir, 7)["step"] == limit["step"]
+    assert ends[7]["committed"][-1] == STEPS
 
 
 def test_diverged_replica_is_reported_and_repeat_fires_every_incarnation(tmp_path):
@@ -272,19 +294,3 @@ def test_other_model_config_is_refused_unless_forced(reference, tmp_path):
     (forced,) = events(run_dir, "restore_forced")
     assert forced["step"] == 20 and forced["from_config"] != forced["to_config"]
     assert events(run_dir, "restore")[0]["step"] == 20
-
-
-def test_wall_time_limit_saves_and_exits_cleanly(reference, tmp_path):
-    _, ref = reference
-    run_dir = tmp_path / "run"
-    # 3 s per step from step 2: 30 steps take > 87 s however fast the machine, so the limit
-    # strikes mid-run (2 s per step came within a second of the limit: 58 s of sleeps)
-    slow = ["slow@2:seconds=3"]
-    ok(train(run_dir, "--set", "run.max_wall_s=60", faults=slow))
-    (limit,) = events(run_dir, "wall_time_limit")
-    assert 0 < limit["step"] < STEPS, "startup took the whole limit: no step to check"
-    assert limit["step"] in committed(run_dir) and events(run_dir, "done")
-    ok(train(run_dir, faults=slow))
-    assert len(events(run_dir, "fault_injected")) == 1
-    assert events(run_dir, "restore")[0]["step"] == limit["step"]
-    assert_exact(run_dir, ref)

@@ -31,8 +31,9 @@ def context_run(tmp_path_factory):
     """gpt_tiny made small (seq_len 32, one block of width 64) trained on dp2_cp4 by `python -m
     train` for SAVED_AT + 1 steps, saved at SAVED_AT (and at the end)."""
     run_dir = tmp_path_factory.mktemp("ctx") / "run"
-    ok(run(train_cmd(run_dir, "--recipe", "gpt_tiny", "--mesh", "dp2_cp4", "--set",
-                     f"ckpt.every={SAVED_AT}", *SMALL, steps=SAVED_AT + 1), cpu_env(devices=8)))  # fmt: skip
+    cmd = train_cmd(run_dir, "--recipe", "gpt_tiny", "--mesh", "dp2_cp4", "--set",
+                    f"ckpt.every={SAVED_AT}", *SMALL, steps=SAVED_AT + 1)  # fmt: skip
+    ok(run(cmd, cpu_env(devices=8)))
     return run_dir
 
 

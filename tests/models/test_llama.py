@@ -94,6 +94,13 @@ def _config(jp, name: str, *extra: str):
     return apply_overrides(jp.recipe(name, steps=STEPS), [*SMALL, *_moe(name), *extra])
 
 
+def _compile(jp, cfg, layout: str):
+    """jp.compile_layout without the collective audit (its HLO text parsed), which no test here
+    reads."""
+    b = jp.build(cfg, layout)
+    return jp.Compiled(b, jp.compile_train_step(b), [])
+
+
 @pytest.fixture(scope="module")
 def references(jp):
     """dp8 runs: the reference every layout of the same model must reproduce."""
@@ -101,7 +108,7 @@ def references(jp):
 
     def get(name):
         if name not in cache:
-            cache[name] = jp.train(jp.compile_layout(_config(jp, name), "dp8"))
+            cache[name] = jp.train(_compile(jp, _config(jp, name), "dp8"))
         return cache[name]
 
     return get
@@ -123,7 +130,7 @@ def references(jp):
 def test_layouts_train_like_the_reference(jp, references, name, layout, extra):
     """Losses within 1e-5 of dp8's over 3 AdamW steps, first-step gradients within 2e-6."""
     ref = references(name)
-    got = jp.train(jp.compile_layout(_config(jp, name, *extra), layout))
+    got = jp.train(_compile(jp, _config(jp, name, *extra), layout))
     print(f"\n[{name}] {layout} {got.losses} dp8 {ref.losses}")
     assert np.all(np.isfinite(got.losses)) and got.losses[-1] < got.losses[0]
     assert jp.max_rel(got.losses, ref.losses) <= 1e-5
@@ -131,13 +138,14 @@ def test_layouts_train_like_the_reference(jp, references, name, layout, extra):
 
 
 def test_logits_do_not_depend_on_padding_positions_after_them():
-    """Causality: changing later tokens leaves earlier positions' logits unchanged."""
-    cfg = resolve_recipe("qwen3_tiny").model
+    """Causality: changing later tokens leaves earlier positions' logits unchanged (qwen3_tiny
+    made smaller: SMALL's two layers over 32 positions show it as its four over 128 do)."""
+    cfg = apply_overrides(resolve_recipe("qwen3_tiny"), SMALL).model
     model = build(cfg, 0)
-    a = jax.random.randint(jax.random.key(2), (1, 64), 0, cfg.vocab_size)
-    b = a.at[:, 40:].set((a[:, 40:] + 7) % cfg.vocab_size)
+    a = jax.random.randint(jax.random.key(2), (1, cfg.seq_len), 0, cfg.vocab_size)
+    b = a.at[:, 20:].set((a[:, 20:] + 7) % cfg.vocab_size)
     forward = nnx.jit(type(model).__call__)  # one program for both sequences
     la, lb = np.asarray(forward(model, a)), np.asarray(forward(model, b))
-    np.testing.assert_allclose(la[:, :40], lb[:, :40], atol=1e-6)
-    assert not np.allclose(la[:, 40:], lb[:, 40:])
+    np.testing.assert_allclose(la[:, :20], lb[:, :20], atol=1e-6)
+    assert not np.allclose(la[:, 20:], lb[:, 20:])
     assert jnp.issubdtype(la.dtype, jnp.floating)

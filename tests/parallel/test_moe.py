@@ -66,9 +66,10 @@ def _steps(jp, built, train_step, state, start: int, n: int):
 
 @pytest.fixture(scope="module")
 def saved_on_expert4(jp, expert4, tmp_path_factory):
-    """data=2,expert=4: two steps, a checkpoint, one more step (its loss is the reference)."""
+    """data=2,expert=4: two steps, a checkpoint, one more step (its loss is the reference). From
+    the config's initial state (the dense reference's, copied: no init program of its own)."""
     built, cfg = expert4.built, expert4.built.cfg
-    state, _ = _steps(jp, built, expert4.step, built.program.init(), 0, 2)
+    state, _ = _steps(jp, built, expert4.step, jp.initial_state(built), 0, 2)
     run = RunDir(str(tmp_path_factory.mktemp("moe-reshard") / "run"))
     ckpt = Checkpointer(run, every=2, keep=1, meta={"config_hash": "gpt_moe"})
     ckpt.save(2, state)

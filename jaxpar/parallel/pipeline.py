@@ -22,17 +22,16 @@ g = c·p + s is chunk c of stage s; v = pipeline.repeats, 1 but for circular and
 
 The executor is one `lax.scan` over the table's ticks inside one `shard_map`: each tick every stage
 `lax.switch`es on its table entry, then `ppermute`s its forward output one stage on and its input
-gradient one stage back. The switch has four branches, idle, F, B and W, so that each is compiled
-once: the first stage's F input (the embedded microbatch) is chosen, and its B output kept, outside
-the switch, and the last stage's F runs the head and loss in a `lax.cond` of its own (with three
-copies of each, compiling a step for the CPU took 1.4x as long). The backward is written per
-microbatch, not taken by autodiff of the loop: F runs `jax.vjp` of the group and stores the
-pullback's residuals; B and W call the pullback from them (B keeps the input gradient, W the weight
-gradient, which it adds up). Residuals, received activations and received gradients live in buffers
-of `slots` entries per layer group, indexed by microbatch mod slots, where `slots` (from the table)
-is the most microbatches ever live at once: m for gpipe and circular, p for 1f1b and zero_bubble,
-whatever m is. That bound is the point of 1F1B: activation memory no longer grows with m, the number
-that shrinks the bubble.
+gradient one stage back. The switch has five branches: idle, F, the last stage's F (with the head
+and the loss), B and W. The first stage's F input (the embedded microbatch) is chosen, and its B
+output kept, outside the switch, so its F and B are the others' (with a branch each, compiling a
+step for the CPU took about 1.2x as long). The backward is written per microbatch, not taken by
+autodiff of the loop: F runs `jax.vjp` of the group and stores the pullback's residuals; B and W
+call the pullback from them (B keeps the input gradient, W the weight gradient, which it adds up).
+Residuals, received activations and received gradients live in buffers of `slots` entries per layer
+group, indexed by microbatch mod slots, where `slots` (from the table) is the most microbatches ever
+live at once: m for gpipe and circular, p for 1f1b and zero_bubble, whatever m is. That bound is the
+point of 1F1B: activation memory no longer grows with m, the number that shrinks the bubble.
 
 The embedding runs before the loop, outside the shard_map, automatically sharded; stage 0's F
 takes its microbatch of the embedded batch and its B keeps the gradient of it, which goes back
@@ -328,6 +327,18 @@ MANUAL = (DATA, AXIS)
 # The loop's branches: what a stage does at a tick (F_FIRST takes an embedded microbatch, F_LAST
 # runs the head and the loss, B_FIRST keeps the gradient of the embedded microbatch).
 IDLE, F, F_FIRST, F_LAST, B, B_FIRST, W = range(7)
+# The switch's branch of each work item: F_FIRST runs F on the embedded microbatch and B_FIRST
+# runs B keeping the input gradient (the input chosen, the output routed, outside the switch),
+# so the group's forward and backward are compiled twice each (F, F_LAST; B, W), not three times.
+# The last stage's head and loss stay a branch of their own (F_LAST), not a cond inside F: a
+# conditional is costed by its costliest branch (collectives.hlo_cost, for tune), which would
+# charge every stage's F with the head.
+BRANCH_OF = (0, 1, 1, 2, 3, 3, 4)
+
+
+def loop_branches(sched: Schedule) -> np.ndarray:
+    """[ticks, stages]: the branch of the loop's switch each stage runs at each tick."""
+    return np.asarray(BRANCH_OF, np.int32)[loop_tables(sched)["op"][:, :, 0]]
 
 
 def loop_tables(sched: Schedule) -> dict[str, np.ndarray]:
@@ -487,36 +498,30 @@ def _execute(
         return (zero_res if res is None else res, send_f, g, send_b, loss,
                 zero_rest if grest is None else f32(grest), zero_gw if gw is None else f32(gw))  # fmt: skip
 
-    # F_FIRST is F on the embedded microbatch, F_LAST is F followed by the head and the loss (a
-    # branch within the branch), B_FIRST is B keeping its input gradient: the input is chosen,
-    # and the output routed, outside the switch, so that the group's forward is compiled once and
-    # its backward twice (B, W), not three times each.
-    def idle(w_K, c, i, x_in, res, g_slot, last):
+    # F_FIRST is F on the embedded microbatch and B_FIRST is B keeping its input gradient: the
+    # input is chosen, and the output routed, outside the switch (BRANCH_OF).
+    def idle(w_K, c, i, x_in, res, g_slot):
         return out()
 
-    def head(y_BTD, i):
-        loss, (g_rest, g_BTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest, y_BTD, i)
-        return loss, f32(g_rest), g_BTD.astype(zero_x.dtype)
-
-    def no_head(y_BTD, i):
-        return zero_loss, zero_rest, zero_x
-
-    def fwd(w_K, c, i, x_in, res, g_slot, last):
+    def f_mid(w_K, c, i, x_in, res, g_slot):
         y_BTD, res = forward(w_K, x_in, c, i)
-        loss, g_rest, g_BTD = lax.cond(last, head, no_head, y_BTD, i)
-        return out(res=res, send_f=y_BTD, g=g_BTD, loss=loss, grest=g_rest)
+        return out(res=res, send_f=y_BTD)
 
-    def bwd(w_K, c, i, x_in, res, g_slot, last):
+    def f_last(w_K, c, i, x_in, res, g_slot):
+        y_BTD, res = forward(w_K, x_in, c, i)
+        loss, (g_rest, g_BTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest, y_BTD, i)
+        return out(res=res, g=g_BTD, loss=loss, grest=g_rest)
+
+    def b_mid(w_K, c, i, x_in, res, g_slot):
         return out(send_b=pullback(w_K, res)(g_slot)[1])
 
-    def weight_grad(w_K, c, i, x_in, res, g_slot, last):
+    def weight_grad(w_K, c, i, x_in, res, g_slot):
         per_layer = pullback(w_K, res)(g_slot)[0]
         return out(gw=jax.tree.map(lambda *g: jnp.stack(g), *per_layer))
 
-    branches = [idle, fwd, bwd, weight_grad]
-    # the table's work item -> its branch
-    branch_of = jnp.asarray([0, 1, 1, 1, 2, 2, 3], jnp.int32)
-    assert len(branch_of) == W + 1
+    branches = [idle, f_mid, f_last, b_mid, weight_grad]
+    branch_of = jnp.asarray(BRANCH_OF, jnp.int32)
+    assert len(branches) == max(BRANCH_OF) + 1
 
     def tick(st, t):
         branch, c, slot, i = (tables["op"][t, stage, j] for j in range(4))
@@ -525,7 +530,7 @@ def _execute(
         w_K = jax.tree.map(lambda a: a[c], w_VK)
         x_in = jnp.where(branch == F_FIRST, x_MBTD[i], st["x"][c, slot])
         res, send_f, g_new, send_b, loss, grest, gw = lax.switch(
-            branch_of[branch], branches, w_K, c, i, x_in, res_slot, g_slot, branch == F_LAST
+            branch_of[branch], branches, w_K, c, i, x_in, res_slot, g_slot
         )
         ran_f = (branch == F) | (branch == F_FIRST) | (branch == F_LAST)
         st = {

@@ -261,7 +261,7 @@ def pipeline_table(s) -> np.ndarray | None:
         return None
     parts = pipeline.model_parts(s.program.graphdef, s.program.param_template)
     sched = pipeline.make_schedule(s.cfg.pipeline, p, parts.num_layers)
-    return pipeline.loop_tables(sched)["op"][:, :, 0]
+    return pipeline.loop_branches(sched)
 
 
 def kernel_count(hlo: str) -> int:

@@ -4,15 +4,13 @@ bf16 compute keeps float32 parameters, optimizer state and gradient all-reduces,
 matmuls, and trains within 2e-2 of float32; rematerialisation changes memory, not values.
 Tensor-parallel and pipelined bf16 run in a subprocess: XLA CPU has aborted the whole process
 (no Python exception) compiling some bf16 collectives, and such an abort must fail one test,
-not end the session. Their float32 runs need none: tensor-parallel float32 is the session's run
-of that layout (conftest's `runs`, which test_parity trains too).
+not end the session. bf16 against float32 on gpt_tiny made small (SMALL).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -31,11 +29,15 @@ pytestmark = pytest.mark.usefixtures("cache_every_program")
 
 BF16 = ["precision.compute=bfloat16"]
 LOSS_RTOL_BF16 = 2e-2
-# bf16 runs train 3 steps (two updates in bf16 show in the losses) against the first 3 of the
-# session's 5-step float32 runs: with train.steps <= the warmup's 20 the learning-rate schedule,
-# the one way a run's length reaches its step (program.decay_horizon), is the same, and so is
-# the program, so a 3-step run's losses are a 5-step run's first 3.
+# bf16 runs train 3 steps (two updates in bf16 show in the losses) against float32 runs of the
+# same config and layout.
 BF16_STEPS = 3
+# Both on gpt_tiny made small (helpers.SMALL's width, sequences and batch; two blocks): how close
+# bf16 trains to float32, and which dtypes the state and the gradients' reduction keep, do not
+# depend on size, and XLA CPU's bf16 steps are slow (~1.6 CPU-s a step of the full gpt_tiny on
+# dp8, ~2 on dp2_tp4, against ~0.1 small).
+SMALL = ("model.n_layers=2", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32",
+         "data.seq_len=32", "data.global_batch=16")  # fmt: skip
 REMAT_TOL = 1e-6
 
 
@@ -56,14 +58,24 @@ def _bf16_dots(text: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def bf16_dp8(jp):
-    cfg = apply_overrides(jp.recipe("gpt_tiny", BF16_STEPS), BF16)
-    c = jp.compile_layout(cfg, "dp8")
-    return c, jp.train(c)
+def small_runs(jp):
+    """small_runs(layout, bf16): the small gpt_tiny compiled on `layout` in bf16 or float32 and
+    trained BF16_STEPS steps, (compiled, run), once per module."""
+    cache = {}
+
+    def get(layout: str, bf16: bool):
+        if (layout, bf16) not in cache:
+            sets = [*SMALL, *(BF16 if bf16 else [])]
+            cfg = apply_overrides(jp.recipe("gpt_tiny", BF16_STEPS), sets)
+            c = jp.compile_layout(cfg, layout)
+            cache[layout, bf16] = c, jp.train(c)
+        return cache[layout, bf16]
+
+    return get
 
 
-def test_state_and_gradient_reduction_stay_fp32(bf16_dp8):
-    c, _ = bf16_dp8
+def test_state_and_gradient_reduction_stay_fp32(small_runs):
+    c, _ = small_runs("dp8", bf16=True)
     state = c.program.abstract_state
     for part in ("params", "opt"):
         floats = [
@@ -83,21 +95,19 @@ def test_bf16_lowers_bf16_dots_and_fp32_none(jp):
 
 
 @pytest.mark.parametrize("layout", ["dp8", pytest.param("fsdp8", marks=pytest.mark.slow)])
-def test_bf16_losses_within_2e_2_of_fp32(layout, jp, runs, bf16_dp8):
-    fp32 = runs("gpt_tiny", layout).losses[:BF16_STEPS]
-    if layout == "dp8":
-        got = bf16_dp8[1]
-    else:
-        cfg = apply_overrides(jp.recipe("gpt_tiny", BF16_STEPS), BF16)
-        got = jp.train(jp.compile_layout(cfg, layout))
+def test_bf16_losses_within_2e_2_of_fp32(layout, jp, small_runs):
+    fp32 = small_runs(layout, bf16=False)[1].losses
+    got = small_runs(layout, bf16=True)[1]
     print(layout, "fp32", fp32, "bf16", got.losses)
     assert len(got.losses) == BF16_STEPS and np.all(np.isfinite(got.losses))
     assert jp.max_rel(got.losses, fp32) <= LOSS_RTOL_BF16
 
 
-def _deep(jp, remat: str, layers: int, steps: int = 2):
+def _deep(jp, remat: str, layers: int, steps: int = 1):
     """gpt_tiny with `layers` blocks, remat `remat`. What the backward keeps shrinks to 10 % of
-    it with 2 layers (6 % with 8: the more blocks, the more remat saves), so 2 layers show it."""
+    it with 2 layers (6 % with 8: the more blocks, the more remat saves), so 2 layers show it.
+    One step: its loss and gradients are what remat could change (the warmup's first learning
+    rate is 0, so a second step's loss would be the same parameters' on another batch)."""
     cfg = jp.recipe("gpt_tiny", steps=steps)
     model = dataclasses.replace(cfg.model, n_layers=layers, remat=remat)
     return dataclasses.replace(cfg, model=model)
@@ -140,13 +150,11 @@ for key, (steps, names, layout, sets) in json.loads(sys.argv[1]).items():
 print("RESULT " + json.dumps(out))
 """
 
-# id: (layout, sets, precisions the child trains). pp2 with remat: one block per stage (the
-# remat and the stages' hand-over are per block), a variant no other test trains: both
-# precisions in the child. dp2_tp4's float32 is the session's run of the layout (test_parity's:
-# the same xdist group).
+# id: (layout, sets, precisions the child trains), the small gpt_tiny. pp2 with remat: one block
+# per stage (the remat and the stages' hand-over are per block), a variant no other test trains.
 CHILD_RUNS = {
-    "dp2_tp4": ("dp2_tp4", (), ("bf16",)),
-    "pp2_remat": ("pp2", ("model.remat=block", "model.n_layers=2"), ("fp32", "bf16")),
+    "dp2_tp4": ("dp2_tp4", SMALL, ("fp32", "bf16")),
+    "pp2_remat": ("pp2", (*SMALL, "model.remat=block"), ("fp32", "bf16")),
 }
 
 
@@ -156,8 +164,9 @@ def child_runs(jp) -> dict:
     jax start for all): an abort there fails the tests that read it, not the session."""
     todo = {k: (BF16_STEPS, names, layout, list(sets)) for k, (layout, sets, names) in
             CHILD_RUNS.items()}  # fmt: skip
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {helpers.XLA_TEST_FLAGS}"
+    # 8 devices, the tests' XLA flags and the session's compilation cache (a layout's float32
+    # and bf16 inits are one program: the second loads)
+    env = helpers.cpu_env()
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(todo)], cwd=jp.REPO, env=env,
         capture_output=True, text=True, timeout=900,
@@ -170,10 +179,8 @@ def child_runs(jp) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(CHILD_RUNS))
-def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, runs, child_runs, variant):
-    got = dict(child_runs[variant])
-    if "fp32" not in got:  # the session's float32 run of the layout, its first BF16_STEPS
-        got["fp32"] = runs("gpt_tiny", CHILD_RUNS[variant][0]).losses[:BF16_STEPS].tolist()
+def test_bf16_tensor_and_pipeline_parallel_in_a_subprocess(jp, child_runs, variant):
+    got = child_runs[variant]
     print(got)
     assert len(got["bf16"]) == BF16_STEPS and np.all(np.isfinite(got["bf16"]))
     assert jp.max_rel(got["bf16"], got["fp32"]) <= LOSS_RTOL_BF16

@@ -22,6 +22,9 @@ from tests.support.launch_util import Launch, run_processes, train_cmd  # noqa: 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WAIT = 600
+# Up to 21 steps the learning rate decays over max(steps, warmup + 1) = 21: every job here runs
+# one program, compiled by the first and loaded by the others
+STEPS = 21
 NPROC = 1
 ARGS = ["--nproc", str(NPROC), "--devices-per-proc", "2", "--standby"]
 
@@ -81,7 +84,8 @@ def test_normal_finish_releases_the_standby_group(tmp_path):
 
 def test_crash_loop_stop_releases_the_standby_group(tmp_path):
     # --crash-loop 1: the first failure stops the job (the same path as a crash loop)
-    run = _run(tmp_path, ["--crash-loop", "1"], 1000, ["slow@2:process=0:seconds=1"])
+    # paced at 2 s a step from step 2: running for 38 s, long after its standby group is ready
+    run = _run(tmp_path, ["--crash-loop", "1"], STEPS, ["slow@2:process=0:seconds=2"])
     try:
         pids = _wait_for_standby(run)
         run.wait_for_step(1, WAIT)  # its heartbeat names the worker's pid
@@ -95,7 +99,7 @@ def test_crash_loop_stop_releases_the_standby_group(tmp_path):
 
 
 def test_supervisor_sigterm_releases_the_standby_group(tmp_path):
-    run = _run(tmp_path, [], 1000, ["slow@2:process=0:seconds=1"])
+    run = _run(tmp_path, [], STEPS, ["slow@2:process=0:seconds=2"])  # as above
     try:
         pids = _wait_for_standby(run)
         run.proc.send_signal(signal.SIGTERM)  # preemption: the workers save, the job stops

@@ -28,7 +28,9 @@ def test_launch_disk_full_mid_run_stops_with_one_line_and_resumes(small_fs, tmp_
     with one line naming ENOSPC and the directory — no wait in orbax's wait_until_finished, no
     "preempted" — the committed checkpoints restore, and no 0-byte temporary file is left."""
     run_dir = small_fs / "run"
-    cmd = train_cmd(40, 1, "--set", "ckpt.keep=100")
+    # 21 steps (the disk fills at ~7 checkpoints of ~0.8 MB): the learning rate decays over 21 steps, as in
+    # the resumed run, whose processes load the programs this run compiled
+    cmd = train_cmd(21, 1, "--set", "ckpt.keep=100")
     run = Launch(run_dir, NPROC, cmd, log_dir=tmp_path)
     try:
         code = run.wait(600)

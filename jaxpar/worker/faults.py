@@ -372,8 +372,11 @@ def perturb_local_replicas(params: dict) -> dict:
             val = shard.data
             coord = data_pos[shard.device][0]
             if jax.process_count() > 1 or coord > 0:
-                bumped = val * jnp.asarray(1 + 1e-3, val.dtype)  # a relative nudge...
-                val = jnp.where(bumped == val, jnp.nextafter(val, jnp.inf), bumped)  # ...or 1 ulp
+                # On the host: jax's eager ops would compile each op for each device and shape.
+                host = np.asarray(val)
+                bumped = host * host.dtype.type(1 + 1e-3)  # a relative nudge...
+                val = np.where(bumped == host, np.nextafter(host, host.dtype.type(np.inf)),
+                               bumped)  # ...or 1 ulp  # fmt: skip
             shards.append(jax.device_put(val, shard.device))
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 

@@ -26,7 +26,10 @@ from tests.support.launch_util import Launch, losses, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS, KILL_AT = 40, 4
+# up to 21 steps: the learning rate decays over max(steps, warmup + 1) = 21; group 0 (one process
+# x 2 devices, data=2) has the layout and schedule of tests/supervisor/test_replicas.py's groups,
+# whose programs the session's cache may hold
+STEPS, KILL_AT = 21, 4
 WAIT = 600
 
 
@@ -54,8 +57,9 @@ def test_groups_on_two_hosts_restart_alone_and_survive_a_lost_host(tmp_path):
     common = ["--nproc", "1", "--devices-per-proc", "2", "--nnodes", "2", "--groups", "2",
               "--coordinator", f"127.0.0.1:{_free_port()}"]  # fmt: skip
     faults = ["--fault", f"kill@{KILL_AT}:process=1",  # group 1, on node 1
-              # group 0 slowed after the kill: group 1 rejoins long before the last step
-              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=1"]  # fmt: skip
+              # group 0 slowed after the kill: group 1 rejoins long before the last step (the
+              # 16 steps left take 40 s)
+              "--fault", f"slow@{KILL_AT + 1}:process=0:seconds=2.5"]  # fmt: skip
     cmd = train_cmd(STEPS, 4)
     run_dir = tmp_path / "run"
     env, p2p = gloo_peer.launch_env()

@@ -55,8 +55,7 @@ if mode == "spin":  # some CPU, and a line on each stream
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def pool(tmp_path):
+def _pool(tmp_path):
     env = cpu_env(devices=None)
     env["JAXPAR_SUPERVISOR_PID"] = str(os.getpid())  # the pool dies with this test process
     script = tmp_path / "worker.py"
@@ -73,6 +72,18 @@ def pool(tmp_path):
     p.close()
 
 
+@pytest.fixture
+def pool(tmp_path):
+    """A pool of the test's own: the test refuses a worker (which breaks it) or kills it."""
+    yield from _pool(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_pool(tmp_path_factory):
+    """One pool for the tests that leave it working (each asserts so): its imports paid once."""
+    yield from _pool(tmp_path_factory.mktemp("pool"))
+
+
 def _fork(pool, mode: str, **env):
     out, log = pool.dir / f"{mode}.jsonl", pool.dir / f"{mode}.log"
     env = {**pool.env, "POOL_TEST": mode, "JAXPAR_PROCESS_ID": "7", **env}
@@ -85,7 +96,8 @@ def _records(out) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
-def test_forked_workers_exit_as_cold_ones_would(pool):
+def test_forked_workers_exit_as_cold_ones_would(shared_pool):
+    pool = shared_pool
     runs = {mode: _fork(pool, mode) for mode in ("code", "message", "raise", "thread", "sleep")}
     worker = runs["sleep"][0]
     deadline = time.time() + 120
@@ -112,7 +124,8 @@ def test_forked_workers_exit_as_cold_ones_would(pool):
     assert not pool.broken
 
 
-def test_stderr_apart_and_the_cpu_a_worker_used(pool):
+def test_stderr_apart_and_the_cpu_a_worker_used(shared_pool):
+    pool = shared_pool
     out, log, err = (pool.dir / f"spin.{x}" for x in ("jsonl", "log", "err"))
     env = {**pool.env, "POOL_TEST": "spin"}
     w = pool.fork(env, [sys.executable, pool.script, "spin", str(out)], str(log), str(err))
@@ -121,6 +134,7 @@ def test_stderr_apart_and_the_cpu_a_worker_used(pool):
     # what the worker measured of itself before its exit
     (used,) = [r["cpu_s"] for r in _records(out) if "cpu_s" in r]
     assert used >= 0.3 and w.cpu_s >= used - 0.02, (w.cpu_s, used)
+    assert not pool.broken
 
 
 @pytest.mark.parametrize("changed", [{"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": "/elsewhere"}])

@@ -20,6 +20,11 @@ from tests.support.helpers import REPO, SMALL, cpu_env, events, ok, run, start, 
 pytestmark = pytest.mark.slow
 
 
+# Up to 21 steps the learning rate decays over max(steps, warmup + 1) = 21: every run here is one
+# program (compiled once, then loaded from the session's cache)
+STEPS = 21
+
+
 def cmd(run_dir, *args, steps, faults=()):
     return train_cmd(run_dir, *SMALL, *args, steps=steps, faults=faults)
 
@@ -57,7 +62,7 @@ def test_ctrl_c_saves_prints_resume_and_a_second_ctrl_c_stops_at_once(tmp_path):
     # request: a Ctrl-C sent once the record is there lands inside that step, not between a
     # step's metrics line and the check that follows it.
     slow = "slow@2:seconds=4:repeat"
-    argv = cmd(run_dir, "--set", "ckpt.every=100", steps=60, faults=[slow])
+    argv = cmd(run_dir, "--set", "ckpt.every=100", steps=STEPS, faults=[slow])
     err_path = tmp_path / "out0.txt"
     proc = start_train(argv, err_path)
     try:
@@ -120,7 +125,7 @@ def test_a_ctrl_c_after_the_interrupt_save_exits_quietly(tmp_path):
 
 def test_disk_full_stops_with_one_line_and_keeps_committed_checkpoints(small_fs, tmp_path):
     run_dir = small_fs / "run"
-    argv = cmd(run_dir, "--set", "ckpt.every=1", "--set", "ckpt.keep=100", steps=40)
+    argv = cmd(run_dir, "--set", "ckpt.every=1", "--set", "ckpt.keep=100", steps=STEPS)
     proc = ok(run(argv, cpu_env(devices=1)), EXIT_NO_SPACE)
     lines = [x for x in proc.stderr.splitlines() if "ENOSPC" in x or "No space" in x]
     assert len(lines) == 1, proc.stderr[-4000:]

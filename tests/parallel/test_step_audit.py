@@ -16,6 +16,8 @@ from jaxpar.engine import collectives
 from jaxpar.parallel.program import param_bytes
 
 F32 = 4
+# the programs test_parity trains (3 steps: the same step as 5, compiled once for both modules)
+STEPS = 3
 
 
 def _spec_axes(spec) -> set[str]:
@@ -44,7 +46,7 @@ def _of(c, kind=None, axes=None):
 
 
 def test_dp8_one_gradient_all_reduce_over_data(compiled):
-    c = compiled("gpt_tiny", "dp8")
+    c = compiled("gpt_tiny", "dp8", steps=STEPS)
     _show("dp8", c)
     (grad,) = c.colls  # nothing else: parameters are replicated, only gradients meet
     assert (grad.kind, grad.mesh_axes, grad.group_size, grad.executions) == (
@@ -72,7 +74,7 @@ def test_dp2_tp4_megatron_all_reduces(compiled):
     XLA's combiner may merge independent all-reduces into one tuple op, so counts are taken in
     units of BTD and BT rather than as ops.
     """
-    c = compiled("gpt_tiny", "dp2_tp4")
+    c = compiled("gpt_tiny", "dp2_tp4", steps=STEPS)
     _show("dp2_tp4", c)
     btd, bt = 16 * 64 * 128 * F32, 16 * 64 * F32
     tp = _of(c, "all-reduce", ("tensor",))
@@ -99,7 +101,7 @@ def test_dp2_tp4_megatron_all_reduces(compiled):
 def test_fsdp8_gathers_params_once_and_reduces_gradients(compiled):
     """ZeRO-3 over 8: each fsdp-sharded parameter is all-gathered once (the backward pass reuses
     the gathered copy), every gradient is reduced over fsdp; nothing else moves."""
-    c = compiled("gpt_tiny", "fsdp8")
+    c = compiled("gpt_tiny", "fsdp8", steps=STEPS)
     _show("fsdp8", c)
     assert {x.mesh_axes for x in c.colls} == {("fsdp",)}
     assert all(x.executions == 1 for x in c.colls)
@@ -136,5 +138,5 @@ def _gathered_slices(c) -> int:
 
 @pytest.mark.parametrize("layout", ["dp8", "fsdp8", "dp2_tp4"])
 def test_no_collective_runs_in_a_loop_without_microbatches(layout, compiled):
-    c = compiled("gpt_tiny", layout)
+    c = compiled("gpt_tiny", layout, steps=STEPS)
     assert not [x for x in c.colls if x.in_loop]

@@ -211,18 +211,17 @@ def test_every_group_hung_is_restarted_from_the_newest_checkpoint(tmp_path):
 
 
 def test_a_donor_killed_during_the_state_transfer_voids_it_and_both_rejoin_from_a_third(tmp_path):
-    """Three groups of one process (2 devices and 8 sequences a step each: the programs of the
-    other tests' groups): group 2 is killed inside step 3's average (killavg: peer to peer,
-    inside the exchange, where jaxpar[gloo] installs); the others finish step 3 without it, none
-    waiting for a hang timeout. As group 2 rejoins, its donor (group 0, the quorum's
+    """Three groups of one process: group 2 is killed inside step 3's average (killavg: peer to
+    peer, inside the exchange, where jaxpar[gloo] installs); the others finish step 3 without
+    it, none waiting for a hang timeout. As group 2 rejoins, its donor (group 0, the quorum's
     lowest) is killed when asked for its state (killgive), before sending any. The transfer is
     void: group 2 is restarted again, group 0 too; group 0 rejoins from group 1, which trains
     throughout (started once, no step rewound), and group 2 from the quorum's lowest group
     then."""
-    steps = 16  # group 1 paced at 2 s a step from step 4: both rejoin long before the end
-    nproc = ["--nproc", "3", "--devices-per-proc", "2", "--groups", "3", "--min-groups", "1",
+    steps = 24  # group 1 paced at 1 s a step from step 4: both rejoin long before the end
+    nproc = ["--nproc", "3", "--devices-per-proc", "1", "--groups", "3", "--min-groups", "1",
              "--max-restarts", "6"]  # fmt: skip
-    faults = ["killavg@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=2"]
+    faults = ["killavg@3:process=2", "killgive@3:process=0", "slow@4:process=1:seconds=1"]
     env, p2p = gloo_peer.launch_env()
     run = Launch(tmp_path / "run", [*nproc, *[x for f in faults for x in ("--fault", f)]],
                  train_cmd(steps, 4, "--set", "data.global_batch=24"), env=env)  # fmt: skip

@@ -324,7 +324,7 @@ MANUAL = (DATA, AXIS)
 
 # ---- the executor -------------------------------------------------------------------------------
 
-# The loop's branches: what a stage does at a tick (F_FIRST takes an embedded microbatch, F_LAST
+# The table's work items: what a stage does at a tick (F_FIRST takes an embedded microbatch, F_LAST
 # runs the head and the loss, B_FIRST keeps the gradient of the embedded microbatch).
 IDLE, F, F_FIRST, F_LAST, B, B_FIRST, W = range(7)
 # The switch's branch of each work item: F_FIRST runs F on the embedded microbatch and B_FIRST
@@ -498,8 +498,7 @@ def _execute(
         return (zero_res if res is None else res, send_f, g, send_b, loss,
                 zero_rest if grest is None else f32(grest), zero_gw if gw is None else f32(gw))  # fmt: skip
 
-    # F_FIRST is F on the embedded microbatch and B_FIRST is B keeping its input gradient: the
-    # input is chosen, and the output routed, outside the switch (BRANCH_OF).
+    # The switch's branches (BRANCH_OF maps the table's work items onto them).
     def idle(w_K, c, i, x_in, res, g_slot):
         return out()
 
